@@ -1,0 +1,34 @@
+"""dspark_hf: DSpark speculative decoding for Hugging Face transformers.
+
+After ``import dspark_hf``, ``target.generate(**inputs, assistant_model=draft)`` with a
+:class:`DSparkDraftModel` runs DSpark decoding (greedy or sampling, output unchanged).
+"""
+
+from .candidate_generator import DSparkCandidateGenerator, DSparkGenerationStats, RoundStats
+from .configuration_dspark import DSparkConfig, is_dspark_config
+from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
+from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
+from .sampling import SerialSample, serial_sample
+from .scheduler import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, profile_sps
+
+__version__ = "0.1.0"
+
+install_dspark_dispatch()
+
+__all__ = [
+    "DSparkCandidateGenerator",
+    "DSparkConfig",
+    "DSparkDraftModel",
+    "DSparkGenerationStats",
+    "FixedLengthPolicy",
+    "PrefixScheduler",
+    "RoundStats",
+    "SerialSample",
+    "ThresholdPolicy",
+    "default_target_layer_ids",
+    "install_dspark_dispatch",
+    "is_dspark_config",
+    "is_dspark_dispatch_installed",
+    "profile_sps",
+    "serial_sample",
+]

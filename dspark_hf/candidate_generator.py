@@ -1,0 +1,288 @@
+"""DSpark as a transformers candidate generator.
+
+transformers' ``_assisted_decoding`` calls :meth:`DSparkCandidateGenerator.get_candidates` before
+each target forward, verifies what it returns (greedy match or rejection sampling against the
+returned logits), crops the target cache, and calls :meth:`update_candidate_strategy` with the
+number of accepted tokens. One round here:
+
+1. ingest the target hidden states of tokens accepted since the last call into the draft's context;
+2. one draft forward over ``[x0, MASK * (gamma - 1)]``;
+3. serial sampling (Markov bias, logits processors) and confidences;
+4. the verify policy picks how many tokens to send (0 included);
+5. return ``input_ids + x_1..x_keep`` and the logits those tokens were drawn from.
+
+The first call returns no candidates so that transformers' prefill yields the prompt's hidden states.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.utils import logging
+
+from .modeling_dspark import DSparkDraftModel
+from .sampling import serial_sample
+from .scheduler import FixedLengthPolicy, PrefixScheduler, profile_sps
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class RoundStats:
+    """One round: how many draft tokens were verified and accepted, and where the time went (seconds)."""
+
+    verified: int
+    accepted: int
+    draft_time: float
+    serial_time: float
+    schedule_time: float
+    verify_time: float
+
+
+@dataclass
+class DSparkGenerationStats:
+    """Per-round statistics of one ``generate`` call, available as ``draft.generation_stats``.
+
+    ``verify_time`` spans from the return of ``get_candidates`` to the next call into the generator,
+    so it holds the target forward plus transformers' acceptance and bookkeeping.
+    """
+
+    block_size: int
+    rounds: list[RoundStats] = field(default_factory=list)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def verified_tokens(self) -> int:
+        return sum(r.verified for r in self.rounds)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens produced per target forward, bonus token included."""
+        return (self.accepted_tokens + self.num_rounds) / max(self.num_rounds, 1)
+
+    @property
+    def verify_efficiency(self) -> float:
+        """Accepted / verified draft tokens."""
+        return self.accepted_tokens / max(self.verified_tokens, 1)
+
+    def scheduled_length_histogram(self) -> list[int]:
+        """``hist[k]`` = number of rounds that verified k draft tokens."""
+        hist = [0] * (self.block_size + 1)
+        for r in self.rounds:
+            hist[r.verified] += 1
+        return hist
+
+    def accepted_length_histogram(self) -> list[int]:
+        """``hist[k]`` = number of rounds that accepted k draft tokens."""
+        hist = [0] * (self.block_size + 1)
+        for r in self.rounds:
+            hist[r.accepted] += 1
+        return hist
+
+    def per_position_acceptance(self) -> list[float | None]:
+        """Conditional acceptance per position: P(k accepted | 1..k-1 accepted and k verified)."""
+        rates: list[float | None] = []
+        for k in range(1, self.block_size + 1):
+            tried = sum(1 for r in self.rounds if r.verified >= k and r.accepted >= k - 1)
+            passed = sum(1 for r in self.rounds if r.accepted >= k)
+            rates.append(passed / tried if tried else None)
+        return rates
+
+    def timings(self) -> dict[str, float]:
+        """Total seconds per part of the round."""
+        return {
+            "draft_forward": sum(r.draft_time for r in self.rounds),
+            "serial_sampling": sum(r.serial_time for r in self.rounds),
+            "scheduler": sum(r.schedule_time for r in self.rounds),
+            "target_verify": sum(r.verify_time for r in self.rounds),
+        }
+
+
+def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel):
+    """The draft's ``verify_policy``, or the default: profiled scheduler with a confidence head, full block without."""
+    policy = draft.verify_policy
+    has_confidence = draft.confidence_head is not None
+    if policy is None:
+        if not has_confidence:
+            return FixedLengthPolicy(draft.config.block_size)
+        key = id(target)
+        cached = getattr(draft, "_default_policy", None)
+        if cached is None or cached[0] != key:
+            sps = profile_sps(target, max_tokens=draft.config.block_size + 1)
+            cached = (key, PrefixScheduler(sps))
+            draft._default_policy = cached
+        return cached[1]
+    if getattr(policy, "requires_confidences", False) and not has_confidence:
+        raise ValueError(
+            f"verify_policy {type(policy).__name__} needs confidences, but this draft has no confidence head "
+            "(a DFlash draft). Use FixedLengthPolicy or leave verify_policy=None."
+        )
+    return policy
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Candidate generator for DSpark/DFlash drafts (``requires_model_outputs``).
+
+    Args:
+        draft: the DSpark draft (``assistant_model``).
+        target: the model running ``generate``.
+        generation_config: the call's generation config (sampling, lengths, outputs asked for).
+        logits_processor: the call's processors; applied to draft logits position by position.
+        batch_size: number of sequences; only 1 is supported for now.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        draft: DSparkDraftModel,
+        target: PreTrainedModel,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None,
+        batch_size: int,
+    ):
+        if not hasattr(draft, "add_context"):
+            raise ValueError(
+                f"assistant_model is a {type(draft).__name__} with a DSpark/DFlash config, not a DSpark draft. "
+                "Load it with dspark_hf.DSparkDraftModel.from_pretrained(...) instead of AutoModel/AutoModelForCausalLM."
+            )
+        if batch_size > 1:
+            raise ValueError(
+                f"DSpark generation supports batch size 1 for now, got {batch_size}; generate prompts one at a time."
+            )
+        if (generation_config.num_beams or 1) > 1:
+            raise ValueError(
+                f"DSpark generation does not support beam search (num_beams={generation_config.num_beams}); "
+                "use num_beams=1 (greedy or sampling)."
+            )
+        draft.bind_target(target)
+        self.draft = draft
+        self.target = target
+        self.block_size = draft.config.block_size
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.eos_token_ids = generation_config._eos_token_tensor
+        self.layer_indices = [i + 1 for i in draft.config.target_layer_ids]
+        # A user asking for all hidden states in the output keeps the full tuple: a list-valued
+        # selection would replace it and break transformers' output splitting.
+        wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
+        self.model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True if wants_all else self.layer_indices}
+        self.policy = resolve_verify_policy(draft, target)
+        self.cache = draft.new_cache()
+        self.device = draft.fc.weight.device
+        self.stats = DSparkGenerationStats(block_size=self.block_size)
+        draft.generation_stats = self.stats
+        self._pending: dict[str, float] | None = None
+
+    @torch.no_grad()
+    def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
+        """Adds the target hidden states of tokens the target processed since the last round."""
+        cur_len = input_ids.shape[1]
+        num_new = cur_len - 1 - self.cache.length
+        if num_new <= 0:
+            return
+        hidden_states = getattr(model_outputs, "hidden_states", None)
+        if hidden_states is None:
+            raise RuntimeError(
+                "The target's forward returned no hidden states; DSpark needs output_hidden_states support "
+                "from the target model."
+            )
+        selected = [hidden_states[i] for i in self.layer_indices]
+        if any(h is None or h.shape[1] < num_new for h in selected):
+            raise RuntimeError("Target hidden states do not cover the accepted tokens; transformers' loop changed.")
+        features = torch.cat([h[:, :num_new].to(self.device) for h in selected], dim=-1)
+        start = self.cache.length
+        attention_mask = model_kwargs.get("attention_mask")
+        key_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = attention_mask[:, : cur_len - 1].to(self.device)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+            key_mask = mask[:, start:].bool()
+        else:
+            positions = torch.arange(start, cur_len - 1, device=self.device).unsqueeze(0)
+        self.draft.add_context(self.cache, features, positions, key_mask)
+        self._next_position = positions[:, -1:] + 1
+
+    @torch.no_grad()
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Drafts, schedules and returns ``(input_ids + candidates, candidate logits)`` or ``(input_ids, None)``."""
+        self._pending = None
+        if is_first_iteration:
+            return input_ids, None
+        self._ingest_context(input_ids, model_kwargs or {}, model_outputs)
+        budget = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        if budget <= 0:
+            return input_ids, None
+
+        t0 = time.perf_counter()
+        anchor = input_ids[:, -1]
+        block_ids = torch.full((1, self.block_size), self.draft.config.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[:, 0] = anchor.to(self.device)
+        block_positions = self._next_position + torch.arange(self.block_size, device=self.device)
+        out = self.draft(block_ids, block_positions, self.cache)
+        t1 = time.perf_counter()
+        sample = serial_sample(
+            self.draft,
+            out.logits,
+            out.hidden_states,
+            anchor,
+            do_sample=self.do_sample,
+            logits_processor=self.logits_processor,
+            prefix_ids=input_ids,
+        )
+        confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
+        t2 = time.perf_counter()
+        keep = self.policy.admit(confidences)
+        if keep > 0 and self.eos_token_ids is not None:
+            # Tokens after a drafted EOS can never be emitted; stopping at it depends only on
+            # earlier tokens for every later position, so admission stays non-anticipating.
+            is_eos = torch.isin(sample.tokens[0, :keep], self.eos_token_ids.to(sample.tokens.device))
+            if bool(is_eos.any()):
+                keep = int(is_eos.int().argmax()) + 1
+        t3 = time.perf_counter()
+        self._pending = {"verified": keep, "draft": t1 - t0, "serial": t2 - t1, "schedule": t3 - t2, "end": t3}
+        if keep == 0:
+            return input_ids, None
+        candidates = torch.cat([input_ids, sample.tokens[:, :keep].to(input_ids.device)], dim=1)
+        return candidates, sample.logits[:, :keep]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """Records the round: ``num_matches`` of the verified draft tokens were accepted."""
+        if self._pending is None:
+            return
+        p = self._pending
+        self.stats.rounds.append(
+            RoundStats(
+                verified=p["verified"],
+                accepted=int(num_matches),
+                draft_time=p["draft"],
+                serial_time=p["serial"],
+                schedule_time=p["schedule"],
+                verify_time=time.perf_counter() - p["end"],
+            )
+        )
+        self._pending = None
+
+
+__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats", "resolve_verify_policy"]

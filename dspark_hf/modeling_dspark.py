@@ -1,0 +1,505 @@
+"""The DSpark draft model: a DFlash-style parallel backbone plus the serial Markov head and the
+confidence head.
+
+Data flow of one round (DESIGN.md section 3):
+
+1. :meth:`DSparkDraftModel.add_context` turns the target's hidden states of ``target_layer_ids``
+   for newly accepted tokens into per-layer context keys/values (``fc`` -> ``hidden_norm`` ->
+   ``k_proj``/``v_proj`` -> ``k_norm`` -> RoPE) and appends them to a :class:`DraftContextCache`.
+2. :meth:`DSparkDraftModel.forward` runs the block ``[x0, MASK * (gamma - 1)]`` through the layers:
+   queries from the block only, keys/values ``[context; block]``, no causal mask. It returns the
+   final-normed hidden states ``h_k`` and base logits ``U_k``; the block's own keys/values are never
+   stored, so nothing needs dropping afterwards.
+3. :mod:`dspark_hf.sampling` draws tokens left to right with the Markov bias and computes ``c_k``.
+
+State-dict names follow the DeepSpec checkpoints (``layers.{i}.self_attn.q_proj``, ``fc``,
+``hidden_norm``, ``markov_head.markov_w1``, ``confidence_head.proj``, ...). ``embed_tokens`` and
+``lm_head`` are optional: a draft without them borrows the target's (see :meth:`bind_target`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.utils import logging
+
+from .configuration_dspark import DSparkConfig
+
+logger = logging.get_logger(__name__)
+
+OPTIONAL_MODULES = ("embed_tokens", "lm_head")
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding for ``x`` of shape (batch, heads, seq, head_dim); cos/sin (batch, seq, head_dim)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DraftContextCache:
+    """Per-layer keys/values of the draft's context (target features of accepted tokens).
+
+    Only context lives here: a round appends the newly accepted tokens and the block's own
+    keys/values are never stored, so rollback is implicit. ``key_mask`` marks real (non-padding)
+    context tokens and is ``None`` while every token is real.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.key_mask: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.keys[layer_idx] is None:
+            self.keys[layer_idx], self.values[layer_idx] = keys, values
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], keys], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], values], dim=2)
+
+    def append_mask(self, mask: torch.Tensor | None, num_new: int, batch_size: int, device) -> None:
+        """Records which of the ``num_new`` appended tokens are real; ``mask`` None means all."""
+        if mask is None and self.key_mask is None:
+            return
+        if mask is None:
+            mask = torch.ones(batch_size, num_new, dtype=torch.bool, device=device)
+        if self.key_mask is None:
+            self.key_mask = torch.ones(batch_size, self.length, dtype=torch.bool, device=device)
+        self.key_mask = torch.cat([self.key_mask, mask.to(device=device, dtype=torch.bool)], dim=1)
+
+
+class DSparkAttention(nn.Module):
+    """Qwen3-style attention whose keys/values are ``[context; block]`` and whose queries are the block."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values of ``x`` (batch, seq, hidden) -> (batch, kv_heads, seq, head_dim)."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        keys = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        values = self.v_proj(x).view(shape).transpose(1, 2)
+        return _rope(keys, cos, sin), values
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_keys: torch.Tensor | None,
+        context_values: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, seq, _ = hidden_states.shape
+        queries = self.q_norm(self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim))
+        queries = _rope(queries.transpose(1, 2), cos, sin)
+        keys, values = self.project_kv(hidden_states, cos, sin)
+        if context_keys is not None:
+            keys = torch.cat([context_keys, keys], dim=2)
+            values = torch.cat([context_values, values], dim=2)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=attention_mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class DSparkDecoderLayer(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.self_attn = DSparkAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, cos, sin, context_keys, context_values, attention_mask):
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), cos, sin, context_keys, context_values, attention_mask
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class MarkovHead(nn.Module):
+    """Serial sampling bias ``B_k`` from the previously drawn token (paper eqs. 5 and 6).
+
+    * ``vanilla``: ``B = W2(W1[x_{k-1}])``.
+    * ``gated``: ``B = W2(sigmoid(gate_proj([h_k; W1[x_{k-1}]])) * W1[x_{k-1}])``.
+    * ``rnn``: ``z = [s_{k-1}; W1[x_{k-1}]; h_k]``, one projection split into gate g, candidate c and
+      output o; ``s_k = sigmoid(g) * s_{k-1} + (1 - sigmoid(g)) * tanh(c)``, ``B = W2(tanh(o))``.
+    """
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.head_type = config.markov_head_type
+        self.rank = config.markov_rank
+        self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)
+        self.markov_w2 = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+        if self.head_type == "gated":
+            self.gate_proj = nn.Linear(config.hidden_size + config.markov_rank, config.markov_rank)
+        elif self.head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * config.markov_rank + config.hidden_size, 3 * config.markov_rank)
+
+    def initial_state(self, batch_size: int, device, dtype) -> torch.Tensor | None:
+        if self.head_type != "rnn":
+            return None
+        return torch.zeros(batch_size, self.rank, device=device, dtype=dtype)
+
+    def step(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bias over the vocabulary for one position. prev_tokens (R,), hidden (R, d) -> (R, V), new state."""
+        feature = self.markov_w1(prev_tokens)
+        if self.head_type == "vanilla":
+            return self.markov_w2(feature), state
+        if self.head_type == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, feature], dim=-1)))
+            return self.markov_w2(gate * feature), state
+        gate, candidate, output = self.joint_proj(torch.cat([state, feature, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(candidate)
+        return self.markov_w2(torch.tanh(output)), state
+
+
+class ConfidenceHead(nn.Module):
+    """``c_k = sigmoid((w . [h_k; W1[x_{k-1}]] + b) / T_k)``: P(position k accepted | 1..k-1 accepted).
+
+    It reads the PREVIOUS token only, so ``c_k`` is known before ``x_k`` is drawn; that is what keeps
+    the prefix scheduler lossless.
+    """
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.with_markov = config.confidence_head_with_markov
+        in_features = config.hidden_size + (config.markov_rank if self.with_markov else 0)
+        self.proj = nn.Linear(in_features, 1)
+
+    def logits(self, hidden: torch.Tensor, prev_features: torch.Tensor | None) -> torch.Tensor:
+        """hidden (R, gamma, d), prev_features (R, gamma, r) or None -> confidence logits (R, gamma)."""
+        if self.with_markov:
+            hidden = torch.cat([hidden, prev_features], dim=-1)
+        return self.proj(hidden).squeeze(-1)
+
+
+@dataclass
+class DraftBlockOutput:
+    """Output of one draft forward over a block.
+
+    Attributes:
+        hidden_states: final-normed hidden states ``h_1..h_gamma``, shape (R, gamma, hidden_size).
+        logits: base logits ``U_1..U_gamma`` (before the Markov bias), shape (R, gamma, vocab_size).
+    """
+
+    hidden_states: torch.Tensor
+    logits: torch.Tensor
+
+
+class DSparkPreTrainedModel(PreTrainedModel):
+    config_class = DSparkConfig
+    base_model_prefix = "dspark"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DSparkDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, Qwen3RMSNorm):
+            nn.init.ones_(module.weight)
+        if isinstance(module, MarkovHead):
+            # A fresh Markov head starts as a no-op bias so a new draft behaves like DFlash.
+            nn.init.zeros_(module.markov_w2.weight)
+
+
+class DSparkDraftModel(DSparkPreTrainedModel):
+    """DSpark (or, with ``markov_rank = 0``, DFlash) draft model.
+
+    Use it as ``target.generate(**inputs, assistant_model=draft)`` after ``import dspark_hf``.
+    Build one with :meth:`from_pretrained` (our format or a DeepSpec checkpoint, strict key
+    matching) or :meth:`from_target` (freshly initialised for any causal LM).
+
+    Runtime settings (not saved):
+        verify_policy: how many draft tokens the target verifies each round. ``None`` (default)
+            uses a :class:`~dspark_hf.scheduler.PrefixScheduler` on an SPS table profiled on first
+            use (cached on disk) when the draft has a confidence head, and the full block otherwise.
+            Set a policy object from :mod:`dspark_hf.scheduler` to choose.
+        generation_stats: per-round statistics of the last ``generate`` call
+            (:class:`~dspark_hf.candidate_generator.DSparkGenerationStats`).
+    """
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        if config.target_layer_ids is None:
+            raise ValueError(
+                "DSparkConfig.target_layer_ids is not set; build the draft with DSparkDraftModel.from_target(target) "
+                "or give the target layers whose hidden states condition it."
+            )
+        if config.mask_token_id is None:
+            raise ValueError("DSparkConfig.mask_token_id is not set; pick a token id in [0, vocab_size).")
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.markov_head = MarkovHead(config) if config.markov_rank > 0 else None
+        self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+        # Target modules borrowed when the checkpoint has no copies; a tuple keeps them out of
+        # state_dict/parameters so they are neither saved nor moved with the draft.
+        self._borrowed: tuple[nn.Module | None, nn.Module | None] = (None, None)
+        self.verify_policy = None
+        self.generation_stats = None
+        self.post_init()
+
+    # ----------------------------------------------------------------- construction / loading
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        *,
+        block_size: int = 7,
+        num_hidden_layers: int = 1,
+        target_layer_ids: list[int] | None = None,
+        markov_rank: int = 256,
+        markov_head_type: str = "vanilla",
+        confidence_head: bool = True,
+        confidence_head_with_markov: bool = True,
+        mask_token_id: int | None = None,
+        copy_embeddings: bool = False,
+    ) -> "DSparkDraftModel":
+        """A freshly initialised draft for any transformers causal LM ``target``.
+
+        The config copies what target and draft must agree on (vocab and hidden size, heads, rope
+        settings, special token ids). Defaults: ``target_layer_ids`` spread evenly over
+        ``[1, L - 3]`` of the target's ``L`` layers (never its last layer), as many as draft layers
+        but at least 3 (when the target has them); ``mask_token_id`` = the target's pad token when
+        it differs from EOS, else the last vocabulary row. Without ``copy_embeddings`` the draft
+        stores no embedding/LM-head and borrows the target's.
+        """
+        tc = target.config.get_text_config()
+        num_target_layers = tc.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+        if mask_token_id is None:
+            eos = tc.eos_token_id if isinstance(tc.eos_token_id, list) else [tc.eos_token_id]
+            pad = tc.pad_token_id
+            mask_token_id = pad if pad is not None and pad not in eos else tc.vocab_size - 1
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        config = DSparkConfig(
+            vocab_size=tc.vocab_size,
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=head_dim,
+            hidden_act=getattr(tc, "hidden_act", "silu"),
+            max_position_embeddings=tc.max_position_embeddings,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(tc.rope_parameters) if getattr(tc, "rope_parameters", None) else None,
+            bos_token_id=tc.bos_token_id,
+            eos_token_id=tc.eos_token_id,
+            pad_token_id=tc.pad_token_id,
+            num_target_layers=num_target_layers,
+            target_layer_ids=list(target_layer_ids),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            markov_rank=markov_rank,
+            markov_head_type=markov_head_type,
+            enable_confidence_head=confidence_head,
+            confidence_head_with_markov=confidence_head_with_markov and confidence_head,
+            architectures=["DSparkDraftModel"],
+        )
+        draft = cls(config)
+        dtype = target.get_input_embeddings().weight.dtype
+        draft.to(device=target.get_input_embeddings().weight.device, dtype=dtype)
+        if copy_embeddings:
+            draft.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.data)
+            draft.lm_head.weight.data.copy_(target.get_output_embeddings().weight.data)
+        else:
+            draft.embed_tokens = None
+            draft.lm_head = None
+        draft.bind_target(target)
+        return draft
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Loads a draft (ours or DeepSpec layout) with strict key matching.
+
+        A missing or unexpected weight raises ``ValueError``, except that ``embed_tokens`` and
+        ``lm_head`` may be absent together with all their keys; the draft then borrows the
+        target's at generation time.
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        missing = set(info.get("missing_keys", []))
+        absent_optional = [name for name in OPTIONAL_MODULES if f"{name}.weight" in missing]
+        missing -= {f"{name}.weight" for name in absent_optional}
+        unexpected = set(info.get("unexpected_keys", []))
+        mismatched = info.get("mismatched_keys", [])
+        if missing or unexpected or mismatched:
+            raise ValueError(
+                f"Checkpoint {pretrained_model_name_or_path!s} does not match a DSpark draft with this config: "
+                f"missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}, "
+                f"shape mismatches {list(mismatched)}. Check that config.json belongs to these weights "
+                "(markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov, "
+                "target_layer_ids, num_hidden_layers) and that the file is complete."
+            )
+        for name in absent_optional:
+            setattr(model, name, None)
+        if absent_optional:
+            logger.info(f"Draft has no {' / '.join(absent_optional)}; it will use the target's.")
+        return (model, info) if want_info else model
+
+    # ------------------------------------------------------------------ target binding / checks
+    def bind_target(self, target: PreTrainedModel) -> None:
+        """Checks that ``target`` fits this draft and borrows its embedding/LM head where needed.
+
+        Raises ``ValueError`` naming the mismatch (vocab size, hidden size, layer ids, mask id).
+        """
+        tc = target.config.get_text_config()
+        c = self.config
+        if tc.vocab_size != c.vocab_size:
+            raise ValueError(
+                f"Draft vocab_size {c.vocab_size} != target vocab_size {tc.vocab_size}: this draft was made for "
+                "another tokenizer. Use a draft trained for this target (or DSparkDraftModel.from_target)."
+            )
+        if tc.hidden_size != c.hidden_size:
+            raise ValueError(
+                f"Draft hidden_size {c.hidden_size} != target hidden_size {tc.hidden_size}: the draft reads the "
+                "target's hidden states. Use a draft trained for this target."
+            )
+        n_layers = tc.num_hidden_layers
+        ids = list(c.target_layer_ids)
+        if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1 or ids[-1] >= n_layers - 1:
+            raise ValueError(
+                f"target_layer_ids {ids} do not fit the target's {n_layers} layers: they must be strictly "
+                f"increasing, >= -1 and below its last layer {n_layers - 1} (transformers returns that one "
+                "post-norm). Use a draft trained for this target."
+            )
+        if c.num_target_layers is not None and c.num_target_layers != n_layers:
+            raise ValueError(
+                f"Draft was trained on a target with {c.num_target_layers} layers, this target has {n_layers}. "
+                "Use a draft trained for this target."
+            )
+        embed = self.embed_tokens if self.embed_tokens is not None else target.get_input_embeddings()
+        lm_head = self.lm_head if self.lm_head is not None else target.get_output_embeddings()
+        if not 0 <= c.mask_token_id < embed.weight.shape[0]:
+            raise ValueError(
+                f"mask_token_id {c.mask_token_id} is outside the embedding table ({embed.weight.shape[0]} rows); "
+                "set config.mask_token_id to a valid row."
+            )
+        if lm_head is None:
+            raise ValueError("Neither the draft nor the target has an LM head (get_output_embeddings() is None).")
+        self._borrowed = (
+            None if self.embed_tokens is not None else embed,
+            None if self.lm_head is not None else lm_head,
+        )
+
+    def _embedding(self) -> nn.Module:
+        embed = self.embed_tokens if self.embed_tokens is not None else self._borrowed[0]
+        if embed is None:
+            raise ValueError("This draft has no embed_tokens; call draft.bind_target(target) first.")
+        return embed
+
+    def _lm_head(self) -> nn.Module:
+        head = self.lm_head if self.lm_head is not None else self._borrowed[1]
+        if head is None:
+            raise ValueError("This draft has no lm_head; call draft.bind_target(target) first.")
+        return head
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    # -------------------------------------------------------------------------------- forward
+    def new_cache(self) -> DraftContextCache:
+        return DraftContextCache(len(self.layers))
+
+    def add_context(
+        self,
+        cache: DraftContextCache,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Appends context keys/values for new accepted tokens.
+
+        Args:
+            target_hidden: concatenated target hidden states of ``target_layer_ids``, (R, n, m*d).
+            position_ids: absolute positions of those tokens, (R, n).
+            key_mask: (R, n) bool, False for padding tokens; ``None`` when all are real.
+        """
+        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(context, position_ids)
+        for idx, layer in enumerate(self.layers):
+            keys, values = layer.self_attn.project_kv(context, cos, sin)
+            cache.append(idx, keys, values)
+        cache.append_mask(key_mask, target_hidden.shape[1], target_hidden.shape[0], context.device)
+        cache.length += target_hidden.shape[1]
+
+    def forward(
+        self, input_ids: torch.LongTensor, position_ids: torch.LongTensor, cache: DraftContextCache | None = None
+    ) -> DraftBlockOutput:
+        """Runs one block (R, gamma) at ``position_ids`` against the cached context.
+
+        Every block position sees the whole block and all context (no causal mask).
+        """
+        embed = self._embedding()
+        hidden = embed(input_ids.to(embed.weight.device)).to(self.fc.weight.device, self.fc.weight.dtype)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        attention_mask = None
+        if cache is not None and cache.key_mask is not None:
+            block_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=hidden.device)
+            attention_mask = torch.cat([cache.key_mask, block_mask], dim=1)[:, None, None, :]
+        for idx, layer in enumerate(self.layers):
+            keys = cache.keys[idx] if cache is not None else None
+            values = cache.values[idx] if cache is not None else None
+            hidden = layer(hidden, cos, sin, keys, values, attention_mask)
+        hidden = self.norm(hidden)
+        head = self._lm_head()
+        logits = head(hidden.to(head.weight.device)).to(hidden.device)
+        return DraftBlockOutput(hidden_states=hidden, logits=logits)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers spread evenly over ``[1, L - 3]`` (DFlash's rule), never the last layer.
+
+    As many ids as draft layers, but at least 3 where the target has the layers, because a
+    one-layer draft fed a single target layer sees too little of the target.
+    """
+    if num_target_layers < 2:
+        raise ValueError("The target needs at least 2 layers (its last layer cannot feed the draft).")
+    usable = num_target_layers - 1  # layers 0 .. L-2
+    count = min(max(num_draft_layers, 3), usable)
+    start, end = min(1, usable - 1), max(min(1, usable - 1), num_target_layers - 3)
+    if count == 1:
+        return [(start + end) // 2]
+    ids = sorted({round(start + i * (end - start) / (count - 1)) for i in range(count)})
+    if len(ids) < count:  # narrow targets: fall back to consecutive layers
+        ids = list(range(usable - count, usable))
+    return ids
+
+
+__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache", "default_target_layer_ids"]

@@ -1,0 +1,110 @@
+"""Serial sampling: DSpark's light left-to-right loop over one draft block (paper eq. 4).
+
+Position k is drawn from ``softmax(processors(U_k + B_k))`` where ``U_k`` are the backbone's base
+logits and ``B_k`` the Markov head's bias from the token drawn at k-1. The loop returns the exact
+logits each token was drawn from, because transformers' rejection sampling uses their softmax as the
+draft distribution; any mismatch (another temperature, a missing top-k) would bias the output.
+
+Confidences ``c_1..c_gamma`` are computed after the loop in one batched call: ``c_k`` reads
+``x_{k-1}`` (never ``x_k``), and all of ``x_0..x_{gamma-1}`` are known by then.
+
+This module is the PyTorch reference path; a compiled CUDA op can replace the loop behind
+:func:`serial_sample` for the configurations it supports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+from .modeling_dspark import DSparkDraftModel
+
+
+@dataclass
+class SerialSample:
+    """Result of :func:`serial_sample`.
+
+    Attributes:
+        tokens: drawn tokens ``x_1..x_gamma``, (R, gamma) long.
+        logits: the float32 logits each token was drawn from (``U_k + B_k`` after the logits
+            processors), (R, gamma, V).
+        confidences: ``c_1..c_gamma`` (calibrated when the config has temperatures), (R, gamma)
+            float32, or ``None`` for a draft without a confidence head.
+    """
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor
+    confidences: torch.Tensor | None
+
+
+def serial_sample(
+    draft: DSparkDraftModel,
+    base_logits: torch.Tensor,
+    hidden_states: torch.Tensor,
+    anchor_ids: torch.LongTensor,
+    *,
+    do_sample: bool,
+    logits_processor: LogitsProcessorList | None = None,
+    prefix_ids: torch.LongTensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SerialSample:
+    """Draws one block of draft tokens left to right.
+
+    Args:
+        draft: the draft model (its ``markov_head`` and ``confidence_head`` are used; either may be None).
+        base_logits: backbone logits ``U``, (R, gamma, V).
+        hidden_states: backbone hidden states ``h`` (final-normed), (R, gamma, d).
+        anchor_ids: ``x_0``, the last accepted token, (R,).
+        do_sample: multinomial sampling if True, argmax otherwise.
+        logits_processor: transformers processors/warpers (temperature, top-k, top-p, repetition
+            penalty, ...), applied at each position to the sequence ``prefix_ids + x_1..x_{k-1}``,
+            exactly as the target applies them when verifying.
+        prefix_ids: the sequence so far, ending with the anchor, (R, L); needed with processors.
+        generator: optional torch generator for sampling.
+    """
+    batch, gamma, _ = base_logits.shape
+    markov, confidence = draft.markov_head, draft.confidence_head
+    use_processors = logits_processor is not None and len(logits_processor) > 0
+    if use_processors and prefix_ids is None:
+        raise ValueError("serial_sample needs prefix_ids when logits processors are given.")
+
+    tokens = torch.empty(batch, gamma, dtype=torch.long, device=base_logits.device)
+    logits = base_logits.float()  # a fresh float32 copy when the backbone runs in half precision
+    if logits.data_ptr() == base_logits.data_ptr():
+        logits = logits.clone()
+    if use_processors:
+        sequence = torch.cat([prefix_ids.to(base_logits.device), tokens], dim=1)
+        prefix_len = prefix_ids.shape[1]
+
+    prev = anchor_ids.to(base_logits.device)
+    state = markov.initial_state(batch, hidden_states.device, hidden_states.dtype) if markov is not None else None
+    for k in range(gamma):
+        if markov is not None:
+            bias, state = markov.step(prev, hidden_states[:, k], state)
+            logits[:, k] += bias.float()
+        if use_processors:
+            logits[:, k] = logits_processor(sequence[:, : prefix_len + k], logits[:, k])
+        if do_sample:
+            probs = torch.softmax(logits[:, k], dim=-1)
+            prev = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+        else:
+            prev = logits[:, k].argmax(dim=-1)
+        tokens[:, k] = prev
+        if use_processors:
+            sequence[:, prefix_len + k] = prev
+
+    confidences = None
+    if confidence is not None:
+        prev_tokens = torch.cat([anchor_ids.view(batch, 1).to(tokens.device), tokens[:, :-1]], dim=1)
+        prev_features = markov.markov_w1(prev_tokens) if confidence.with_markov else None
+        conf_logits = confidence.logits(hidden_states, prev_features).float()
+        temperatures = draft.config.confidence_temperatures
+        if temperatures is not None:
+            conf_logits = conf_logits / torch.tensor(temperatures, device=conf_logits.device)[:gamma]
+        confidences = torch.sigmoid(conf_logits)
+    return SerialSample(tokens=tokens, logits=logits, confidences=confidences)
+
+
+__all__ = ["SerialSample", "serial_sample"]

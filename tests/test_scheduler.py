@@ -1,0 +1,458 @@
+"""Tests for dspark_hf.scheduler: verification policies and the SPS profiler."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dspark_hf.scheduler import (
+    FixedLengthPolicy,
+    PrefixScheduler,
+    ThresholdPolicy,
+    VerifyPolicy,
+    monotone_step_times,
+    profile_sps,
+    sps_cache_key,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# PrefixScheduler, one request
+# ---------------------------------------------------------------------------------------------
+
+
+def test_worked_example_from_design():
+    scheduler = PrefixScheduler([1000, 520, 400, 340, 280])
+    confidences = [0.95, 0.92, 0.85, 0.30]
+    thetas = scheduler.throughputs(confidences)
+    assert thetas == pytest.approx([1000.0, 1014.0, 1129.6, 1212.7, 1061.1], abs=0.1)
+    assert scheduler.admit(confidences) == 3
+
+
+def _anticipating_search(sps: list[float], confidences: list[float]) -> int:
+    """The WRONG scheduler of the paper's Appendix A: evaluates every k, returns the global argmax."""
+    thetas = [sps[0]]
+    expected, survival = 1.0, 1.0
+    for k, c in enumerate(confidences, start=1):
+        survival *= c
+        expected += survival
+        thetas.append(sps[k] * expected)
+    return max(range(len(thetas)), key=lambda k: thetas[k])
+
+
+@pytest.mark.parametrize("c2", [0.9, 0.0])
+def test_appendix_a_early_stop_is_non_anticipating(c2):
+    sps = [1.0, 0.5, 0.45]
+    scheduler = PrefixScheduler(sps)
+    thetas = scheduler.throughputs([0.8, c2])
+    # Theta_0 = 1.0, Theta_1 = 1.8 * 0.5 = 0.9 <= Theta_0: stop before c2 is ever looked at.
+    assert thetas == pytest.approx([1.0, 0.9])
+    assert scheduler.admit([0.8, c2]) == 0
+
+
+def test_appendix_a_global_search_would_depend_on_the_token():
+    sps = [1.0, 0.5, 0.45]
+    # c2 is computed from x1: the global search admits x1 or not depending on x1 itself.
+    assert _anticipating_search(sps, [0.8, 0.9]) == 2  # Theta_2 = 2.52 * 0.45 = 1.134
+    assert _anticipating_search(sps, [0.8, 0.0]) == 0  # Theta_2 = 1.8 * 0.45 = 0.81
+
+
+def _first_token_distribution(policy) -> tuple[float, float]:
+    """Exact output distribution of the first token in the Appendix A setting.
+
+    Vocabulary {A, B}; target (0.7, 0.3), draft (0.5, 0.5); c1 = 0.8 known before drafting; c2 is
+    0.9 when x1 = A and 0.0 when x1 = B. Standard speculative sampling on the admitted prefix.
+    """
+    p_target = {"A": 0.7, "B": 0.3}
+    p_draft = {"A": 0.5, "B": 0.5}
+    c2_given_x1 = {"A": 0.9, "B": 0.0}
+    residual_total = sum(max(0.0, p_target[v] - p_draft[v]) for v in p_target)
+    residual = {v: max(0.0, p_target[v] - p_draft[v]) / residual_total for v in p_target}
+    out = {"A": 0.0, "B": 0.0}
+    for x1, q in p_draft.items():
+        keep = policy([0.8, c2_given_x1[x1]])
+        if keep >= 1:
+            accept = min(1.0, p_target[x1] / p_draft[x1])
+            out[x1] += q * accept
+            for v in out:
+                out[v] += q * (1.0 - accept) * residual[v]
+        else:  # not verified: the target samples the token itself
+            for v in out:
+                out[v] += q * p_target[v]
+    return out["A"], out["B"]
+
+
+def test_scheduler_keeps_the_target_distribution():
+    sps = [1.0, 0.5, 0.45]
+    assert _first_token_distribution(PrefixScheduler(sps).admit) == pytest.approx((0.7, 0.3))
+    # Without the early stop the output is biased, as in the paper.
+    biased = _first_token_distribution(lambda c: _anticipating_search(sps, c))
+    assert biased == pytest.approx((0.85, 0.15))
+
+
+def _random_table(rng: random.Random, length: int) -> list[float]:
+    table = [rng.uniform(50.0, 100.0)]
+    for _ in range(length - 1):
+        table.append(table[-1] * rng.uniform(0.6, 1.0))
+    return table
+
+
+def test_admission_of_k_depends_only_on_first_k_confidences():
+    rng = random.Random(1234)
+    for _ in range(300):
+        gamma = rng.randint(1, 8)
+        scheduler = PrefixScheduler(_random_table(rng, rng.randint(1, 10)))
+        confidences = [rng.choice([rng.random(), 1.0, 0.0]) for _ in range(gamma)]
+        keep = scheduler.admit(confidences)
+        for k in range(1, gamma + 1):
+            other = confidences[:k] + [rng.random() for _ in range(gamma - k)]
+            assert (scheduler.admit(other) >= k) == (keep >= k)
+
+
+def test_flat_table_admits_every_positive_confidence():
+    scheduler = PrefixScheduler([5.0] * 6)
+    assert scheduler.admit([0.5, 0.1, 0.9, 0.01]) == 4
+    assert scheduler.admit([0.5, 0.1, 0.9, 0.01, 0.3]) == 5
+
+
+def test_steep_table_admits_nothing():
+    scheduler = PrefixScheduler([1.0, 0.4, 0.3, 0.25, 0.2])  # SPS(2) = SPS(1) / 2.5
+    assert scheduler.admit([0.99, 0.99, 0.99, 0.99]) == 0
+    assert scheduler.admit([1.0, 1.0, 1.0, 1.0]) == 0
+
+
+def test_zero_confidence_stops_before_it():
+    scheduler = PrefixScheduler([5.0] * 6)
+    assert scheduler.admit([0.5, 0.0, 0.9]) == 1
+    assert scheduler.admit([0.0, 0.9]) == 0
+    assert PrefixScheduler([1000, 520, 400, 340, 280]).admit([0.95, 0.92, 0.0, 0.9]) == 2
+
+
+def test_empty_confidences_and_tensor_input():
+    scheduler = PrefixScheduler([1000, 520, 400, 340, 280])
+    assert scheduler.admit([]) == 0
+    assert scheduler.throughputs([]) == [1000.0]
+    assert scheduler.admit(torch.tensor([0.95, 0.92, 0.85, 0.30])) == 3
+
+
+def test_invalid_confidences_raise():
+    scheduler = PrefixScheduler([1.0, 1.0])
+    for bad in ([1.5], [-0.1], [float("nan")]):
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            scheduler.admit(bad)
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            scheduler.admit_batch([[0.5], bad])
+
+
+def test_extrapolation_beyond_the_table():
+    scheduler = PrefixScheduler([10.0, 8.0])
+    assert scheduler.step_rate(1) == 10.0
+    assert scheduler.step_rate(2) == 8.0
+    assert scheduler.step_rate(4) == pytest.approx(8.0 * 2 / 4)
+    assert scheduler.step_rate(16) == pytest.approx(1.0)
+    # Flat table of two entries: with c = 1 everywhere Theta stays at SPS(2) * 2 beyond it.
+    flat = PrefixScheduler([10.0, 10.0])
+    assert flat.throughputs([1.0, 1.0, 1.0]) == pytest.approx([10.0, 20.0, 20.0])
+    assert flat.admit([1.0, 1.0, 1.0]) == 1
+    # Extrapolation decides: B = 3 -> SPS = 20/3; Theta_2 = (1 + .9 + .81) * 20/3 = 18.07 < 19.
+    assert flat.throughputs([0.9, 0.9]) == pytest.approx([10.0, 19.0, 2.71 * 20 / 3])
+    with pytest.raises(ValueError):
+        scheduler.step_rate(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# PrefixScheduler, many requests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_batch_hand_computed():
+    scheduler = PrefixScheduler([100, 100, 90, 80, 60, 50])
+    # a: r0 = 0.9, 0.72; r1 = 0.5, 0.25. Order (0,1), (0,2), (1,1), (1,2).
+    # B=2: best = 200; (0,1): 2.9 * 90 = 261; (0,2): 3.62 * 80 = 289.6; (1,1): 4.12 * 60 = 247.2 stop.
+    confidences = [[0.9, 0.8], [0.5, 0.5]]
+    assert scheduler.batch_throughputs(confidences) == pytest.approx([200.0, 261.0, 289.6, 247.2])
+    assert scheduler.admit_batch(confidences) == [2, 0]
+    # a: r0 = 0.9, 0.45; r1 = 0.6, 0.3: (0,1) 261; (1,1) 3.5 * 80 = 280; (0,2) 3.95 * 60 = 237 stop.
+    assert scheduler.admit_batch([[0.9, 0.5], [0.6, 0.5]]) == [1, 1]
+
+
+def test_batch_three_requests_hand_computed():
+    scheduler = PrefixScheduler([100, 100, 100, 95, 90, 70, 50])
+    # a: r0 = 0.5; r1 = 0.95, 0.855, 0.0855; r2 = 0.7, 0.07.
+    # B=3: best 300; (1,1) 3.95*95 = 375.25; (1,2) 4.805*90 = 432.45; (2,1) 5.505*70 = 385.35 stop.
+    confidences = [[0.5], [0.95, 0.9, 0.1], [0.7, 0.1]]
+    assert scheduler.batch_throughputs(confidences) == pytest.approx([300.0, 375.25, 432.45, 385.35])
+    assert scheduler.admit_batch(confidences) == [0, 2, 0]
+
+
+def test_batch_ties_keep_prefix_order():
+    scheduler = PrefixScheduler([10, 10, 10, 10, 10, 1])
+    # a: both requests 0.8, 0.64. Ties broken by (r, j): (0,1), (1,1), (0,2), (1,2).
+    # B=2: 20; 28; 36; 42.4; then B=6: 4.88 * 1 stop.
+    assert scheduler.admit_batch([[0.8, 0.8], [0.8, 0.8]]) == [2, 1]
+    # c = 1 makes a_{r,j+1} == a_{r,j}: ties are broken by (r, j), so request 0's positions go
+    # first, in order: (0,1) 30, (0,2) 40, (0,3) 50, then (1,1) at B=6: 6 * 1 stop.
+    assert scheduler.admit_batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == [3, 0]
+    assert scheduler.batch_throughputs([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == pytest.approx([20, 30, 40, 50, 6])
+    # Equal a in the middle of request 1: (1,1) and (1,2) tie at 0.8 and keep their order.
+    assert scheduler.admit_batch([[0.7], [0.8, 1.0, 0.5]]) == [1, 2]
+
+
+def test_batch_of_one_equals_single_request():
+    rng = random.Random(7)
+    for _ in range(200):
+        scheduler = PrefixScheduler(_random_table(rng, rng.randint(1, 9)))
+        confidences = [rng.choice([rng.random(), 1.0, 0.0, 0.99]) for _ in range(rng.randint(0, 8))]
+        assert scheduler.admit_batch([confidences]) == [scheduler.admit(confidences)]
+        if all(c > 0 for c in confidences):  # the batch path skips a = 0 candidates altogether
+            assert scheduler.batch_throughputs([confidences]) == pytest.approx(scheduler.throughputs(confidences))
+
+
+def test_batch_is_non_anticipating_and_admits_prefixes():
+    rng = random.Random(99)
+    for _ in range(200):
+        num_requests = rng.randint(1, 4)
+        scheduler = PrefixScheduler(_random_table(rng, rng.randint(1, 30)))
+        batch = [[rng.choice([rng.random(), 1.0, 0.9]) for _ in range(rng.randint(0, 6))] for _ in range(num_requests)]
+        lengths = scheduler.admit_batch(batch)
+        assert all(0 <= n <= len(c) for n, c in zip(lengths, batch))
+        # Whether (r, j) is admitted never depends on c_{r, j+1..} (computed from x_{r,j} onwards).
+        for r, confidences in enumerate(batch):
+            for j in range(1, len(confidences) + 1):
+                changed = [list(c) for c in batch]
+                changed[r] = confidences[:j] + [rng.random() for _ in range(len(confidences) - j)]
+                assert (scheduler.admit_batch(changed)[r] >= j) == (lengths[r] >= j)
+
+
+def test_batch_empty():
+    assert PrefixScheduler([1.0]).admit_batch([]) == []
+    assert PrefixScheduler([1.0, 1.0]).admit_batch([[], []]) == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Table validation and the other policies
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ([], "empty"),
+        ([1.0, float("nan")], "finite"),
+        ([float("inf"), 1.0], "finite"),
+        ([1.0, 0.0], "> 0"),
+        ([1.0, -2.0], "> 0"),
+        ([1.0, 2.0], "non-increasing"),
+        (["fast"], "sequence of numbers"),
+    ],
+)
+def test_bad_tables_raise_with_the_fix(table, message):
+    with pytest.raises(ValueError, match=message) as info:
+        PrefixScheduler(table)
+    assert "profile_sps" in str(info.value)
+
+
+def test_fixed_length_policy():
+    policy = FixedLengthPolicy(3)
+    assert isinstance(policy, VerifyPolicy)
+    assert policy.requires_confidences is False
+    assert policy.admit([0.0] * 7) == 3
+    assert policy.admit([0.0] * 2) == 2
+    assert policy.admit([]) == 0
+    assert policy.admit_batch([[0.1] * 7, [0.1], []]) == [3, 1, 0]
+    assert FixedLengthPolicy(0).admit([1.0] * 5) == 0
+    with pytest.raises(ValueError, match="gamma"):
+        FixedLengthPolicy(-1)
+    with pytest.raises(ValueError, match="integer"):
+        FixedLengthPolicy(2.5)
+
+
+def test_threshold_policy():
+    policy = ThresholdPolicy(0.5)
+    assert policy.requires_confidences is True
+    # prefix products 0.9, 0.72, 0.504, 0.252
+    assert policy.admit([0.9, 0.8, 0.7, 0.5]) == 3
+    assert policy.admit([0.4, 1.0]) == 0
+    assert policy.admit([]) == 0
+    # Stops at the first failure, never looks further.
+    assert policy.admit([0.9, 0.5, 1.0]) == 1
+    assert policy.admit_batch([[0.9, 0.8, 0.7, 0.5], [0.4], [1.0, 1.0]]) == [3, 0, 2]
+    assert ThresholdPolicy(1.0).admit([1.0, 1.0, 0.999]) == 2
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            ThresholdPolicy(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# monotone_step_times
+# ---------------------------------------------------------------------------------------------
+
+
+def test_monotone_step_times_pools_a_dip():
+    assert monotone_step_times([1.0, 1.2, 1.1, 1.3]) == pytest.approx([1.0, 1.15, 1.15, 1.3])
+    # A dip deeper than one neighbour is pooled with several.
+    assert monotone_step_times([1.0, 1.3, 1.2, 0.8, 2.0]) == pytest.approx([1.0, 1.1, 1.1, 1.1, 2.0])
+
+
+def test_monotone_step_times_keeps_a_cliff():
+    times = [1.0, 1.0, 1.01, 2.0, 2.0, 2.02]
+    assert monotone_step_times(times) == pytest.approx(times)
+    noisy_cliff = [1.0, 1.01, 2.0, 1.98, 2.02]
+    assert monotone_step_times(noisy_cliff) == pytest.approx([1.0, 1.01, 1.99, 1.99, 2.02])
+
+
+def test_monotone_step_times_is_non_decreasing_and_preserves_mean():
+    rng = random.Random(5)
+    for _ in range(100):
+        times = [rng.uniform(0.5, 2.0) for _ in range(rng.randint(1, 20))]
+        fitted = monotone_step_times(times)
+        assert len(fitted) == len(times)
+        assert all(b >= a - 1e-12 for a, b in zip(fitted, fitted[1:]))
+        assert sum(fitted) == pytest.approx(sum(times))
+    assert monotone_step_times([]) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# profile_sps
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    # One intra-op thread: for a model this small, waking a thread pool costs more than the
+    # forward itself (and makes these tests slow on busy machines).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    yield LlamaForCausalLM(config).eval()
+    torch.set_num_threads(threads)
+
+
+PROFILE_KWARGS = dict(context_length=32, warmup=1, repeats=2, progress=False)
+
+
+def _count_forwards(model, monkeypatch):
+    calls = []
+    original = model.forward
+
+    @functools.wraps(original)
+    def counting(*args, **kwargs):
+        record = {k: v for k, v in kwargs.items() if k != "input_ids"} | {"n": kwargs["input_ids"].shape[1]}
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        record["cached_before"] = cache.get_seq_length()  # what the step saw
+        calls.append(record)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting)
+    return calls
+
+
+def test_profile_sps_measures_and_caches(tiny_llama, tmp_path, monkeypatch):
+    model = tiny_llama
+    calls = _count_forwards(model, monkeypatch)
+    table = profile_sps(model, 4, cache_dir=tmp_path, **PROFILE_KWARGS)
+    assert len(table) == 4
+    assert all(isinstance(v, float) and v > 0 for v in table)
+    assert all(b <= a for a, b in zip(table, table[1:]))
+    PrefixScheduler(table)  # a valid table
+
+    # One prefill of the context, then (warmup + repeats) rounds over B = 1..4.
+    assert calls[0]["n"] == 32
+    timed = calls[1:]
+    assert sorted(c["n"] for c in timed) == sorted([1, 2, 3, 4] * 3)
+    for c in timed:
+        assert c["use_cache"] is True and c["logits_to_keep"] == c["n"]
+        assert "cache" in c and "past_key_values" not in c  # the non-deprecated 5.24 name
+        assert c["cached_before"] == 32  # the cache is rolled back to the context after every step
+    assert timed[-1]["cache"].get_seq_length() == 32
+    assert model.training is False
+
+    files = list((tmp_path / "sps").glob("*.json"))
+    assert [f.stem for f in files] == [sps_cache_key(model, 4, context_length=32)]
+    record = json.loads(files[0].read_text())
+    assert record["sps"] == pytest.approx(table)
+    assert len(record["median_step_seconds"]) == 4
+    assert record["fitted_step_seconds"] == pytest.approx([1.0 / v for v in table])
+    assert record["environment"]["dtype"] == "torch.float32"
+    assert record["environment"]["device_type"] == "cpu"
+
+    # Second call: served from the cache, the model is not run.
+    def boom(*args, **kwargs):
+        raise AssertionError("the model must not run when the table is cached")
+
+    monkeypatch.setattr(model, "forward", boom)
+    assert profile_sps(model, 4, cache_dir=tmp_path, **PROFILE_KWARGS) == table
+    # A shorter table is served from the longer one.
+    assert profile_sps(model, 3, cache_dir=tmp_path, **PROFILE_KWARGS) == table[:3]
+    # A longer one, or a different context, is not in the cache.
+    with pytest.raises(AssertionError, match="must not run"):
+        profile_sps(model, 5, cache_dir=tmp_path, **PROFILE_KWARGS)
+    with pytest.raises(AssertionError, match="must not run"):
+        profile_sps(model, 4, cache_dir=tmp_path, **(PROFILE_KWARGS | {"context_length": 16}))
+    # use_cache=False measures again.
+    with pytest.raises(AssertionError, match="must not run"):
+        profile_sps(model, 4, cache_dir=tmp_path, use_cache=False, **PROFILE_KWARGS)
+
+
+def test_profile_sps_cache_dir_from_env_and_restores_training_mode(tiny_llama, tmp_path, monkeypatch):
+    model = tiny_llama
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "env_cache"))
+    model.train()
+    try:
+        table = profile_sps(model, 2, **PROFILE_KWARGS)
+        assert model.training is True
+    finally:
+        model.eval()
+    assert len(table) == 2
+    assert len(list((tmp_path / "env_cache" / "sps").glob("*.json"))) == 1
+
+
+def test_cache_key_changes_with_max_tokens_dtype_and_context(tiny_llama):
+    model = tiny_llama
+    key = sps_cache_key(model, 4, context_length=32)
+    assert key == sps_cache_key(model, 4, context_length=32)
+    assert key != sps_cache_key(model, 8, context_length=32)
+    assert key != sps_cache_key(model, 4, context_length=64)
+    model.to(torch.bfloat16)
+    try:
+        assert key != sps_cache_key(model, 4, context_length=32)
+    finally:
+        model.to(torch.float32)
+    assert key == sps_cache_key(model, 4, context_length=32)
+
+
+def test_profile_sps_rebuilds_when_the_cache_cannot_be_cropped(tiny_llama, tmp_path, monkeypatch):
+    from transformers import DynamicCache
+
+    def no_crop(self, *args, **kwargs):
+        raise NotImplementedError("not croppable")
+
+    monkeypatch.setattr(DynamicCache, "crop", no_crop)
+    table = profile_sps(tiny_llama, 3, cache_dir=tmp_path, **PROFILE_KWARGS)
+    assert len(table) == 3 and all(v > 0 for v in table)
+
+
+def test_profile_sps_argument_validation(tiny_llama, tmp_path):
+    for kwargs in ({"max_tokens": 0}, {"max_tokens": 2, "repeats": 0}, {"max_tokens": 2, "context_length": 0}):
+        with pytest.raises(ValueError, match=">= "):
+            profile_sps(tiny_llama, cache_dir=tmp_path, progress=False, **kwargs)
+
+
+def test_from_model_builds_a_scheduler(tiny_llama, tmp_path):
+    scheduler = PrefixScheduler.from_model(tiny_llama, 3, cache_dir=tmp_path, **PROFILE_KWARGS)
+    assert len(scheduler.sps) == 3
+    assert 0 <= scheduler.admit([0.9, 0.9, 0.9]) <= 3

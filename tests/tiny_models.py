@@ -1,0 +1,93 @@
+"""Tiny local models for the tests (no downloads).
+
+* :func:`random_target` - a small random Llama or Qwen3 causal LM.
+* :func:`bigram_target` - a target whose next-token logits are a designed table ``T[current token]``
+  (attention and MLP outputs zeroed, one-hot embeddings), so its exact distribution is known.
+* :func:`markov_draft` - a DSpark draft whose proposals come only from its Markov head, set to a
+  designed table ``D[previous token]``; with ``D`` close to the target's own next-token map the
+  draft is right often but not always, which exercises every accepted length.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dspark_hf import DSparkDraftModel
+
+
+def random_target(arch: str = "llama", vocab_size: int = 48, hidden_size: int = 32, num_layers: int = 4,
+                  seed: int = 0, eos_token_id=None, context_scale: float = 1.0,
+                  embed_scale: float = 1.0):
+    """A random tiny causal LM; ``context_scale`` < 1 shrinks attention/MLP outputs so the
+    current token dominates the next-token choice (while context still matters)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=None)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden_size // 4, tie_word_embeddings=False))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(context_scale)
+            layer.mlp.down_proj.weight.mul_(context_scale)
+    return model.eval()
+
+
+def bigram_target(table: torch.Tensor, arch: str = "llama", eos_token_id=None):
+    """A real transformers model computing next-token logits ``table[current token]`` (V x V)."""
+    vocab = table.shape[0]
+    hidden = 2 * vocab
+    model = random_target(arch, vocab_size=vocab, hidden_size=hidden, num_layers=2, eos_token_id=eos_token_id)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = torch.zeros(vocab, hidden)
+        embed[torch.arange(vocab), torch.arange(vocab)] = 1.0
+        model.get_input_embeddings().weight.copy_(embed)
+        model.model.norm.weight.fill_(1.0)
+        # RMSNorm(e_i) = sqrt(hidden) * e_i, so column i of the head holds table[i] / sqrt(hidden).
+        head = torch.zeros(vocab, hidden)
+        head[:, :vocab] = table.T / hidden**0.5
+        model.get_output_embeddings().weight.copy_(head)
+    return model.eval()
+
+
+def target_next_token_table(target) -> torch.Tensor:
+    """The target's next-token logits given only the current token, ``(V, V)``: its bigram part."""
+    with torch.no_grad():
+        embed = target.get_input_embeddings().weight
+        return target.get_output_embeddings()(target.model.norm(embed)).float()
+
+
+def markov_draft(target, table: torch.Tensor, block_size: int = 4, confidence_logits: torch.Tensor | None = None,
+                 head_type: str = "vanilla") -> DSparkDraftModel:
+    """A draft proposing ``softmax(table[previous token])`` at every position.
+
+    The backbone output is zeroed (final norm weight 0, so ``U_k = 0``) and the Markov head
+    realises ``table`` exactly: ``W1`` = identity rows, ``W2`` = ``table.T``. ``confidence_logits[v]``
+    sets ``c_k = sigmoid(confidence_logits[x_{k-1}])``.
+    """
+    vocab = table.shape[0]
+    draft = DSparkDraftModel.from_target(target, block_size=block_size, markov_rank=vocab,
+                                         markov_head_type=head_type,
+                                         confidence_head=confidence_logits is not None).eval()
+    with torch.no_grad():
+        draft.norm.weight.zero_()
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+        draft.markov_head.markov_w2.weight.copy_(table.T.contiguous())
+        if head_type == "gated":  # gate saturated open: sigmoid(40) = 1
+            draft.markov_head.gate_proj.weight.zero_()
+            draft.markov_head.gate_proj.bias.fill_(40.0)
+        if confidence_logits is not None:
+            proj = draft.confidence_head.proj
+            proj.weight.zero_()
+            proj.weight[0, draft.config.hidden_size:] = confidence_logits
+            proj.bias.zero_()
+    return draft
