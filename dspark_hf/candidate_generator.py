@@ -153,19 +153,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits_processor: LogitsProcessorList | None,
         batch_size: int,
     ):
-        if not hasattr(draft, "add_context"):
-            raise ValueError(
-                f"assistant_model is a {type(draft).__name__} with a DSpark/DFlash config, not a DSpark draft. "
-                "Load it with dspark_hf.DSparkDraftModel.from_pretrained(...) instead of AutoModel/AutoModelForCausalLM."
-            )
         if batch_size > 1:
             raise ValueError(
                 f"DSpark generation supports batch size 1 for now, got {batch_size}; generate prompts one at a time."
-            )
-        if (generation_config.num_beams or 1) > 1:
-            raise ValueError(
-                f"DSpark generation does not support beam search (num_beams={generation_config.num_beams}); "
-                "use num_beams=1 (greedy or sampling)."
             )
         draft.bind_target(target)
         self.draft = draft
@@ -232,7 +222,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return input_ids, None
         self._ingest_context(input_ids, model_kwargs or {}, model_outputs)
         budget = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
-        if budget <= 0:
+        if budget <= 0:  # the target still runs one forward for the last token: a round with nothing verified
+            self._pending = {"verified": 0, "draft": 0.0, "serial": 0.0, "schedule": 0.0, "end": time.perf_counter()}
             return input_ids, None
 
         t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import inspect
 
 import transformers
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from .configuration_dspark import is_dspark_config
@@ -44,6 +45,9 @@ def _check_transformers_api() -> None:
         problems.append("CandidateGenerator.requires_model_outputs is missing")
     if not hasattr(GenerationMixin, "_assisted_decoding"):
         problems.append("GenerationMixin._assisted_decoding is gone")
+    validate = getattr(GenerationMixin, "_validate_generation_mode", None)
+    if validate is None or "generation_mode_kwargs" not in inspect.signature(validate).parameters:
+        problems.append("GenerationMixin._validate_generation_mode(generation_mode_kwargs=...) changed")
     if problems:
         raise RuntimeError(
             f"dspark_hf cannot hook into transformers {transformers.__version__}: {'; '.join(problems)}. "
@@ -51,19 +55,50 @@ def _check_transformers_api() -> None:
         )
 
 
+def _as_dspark_draft(assistant_model):
+    """The assistant if it is a DSpark/DFlash draft, else None; a DSpark config on another class is an error."""
+    if assistant_model is None or not is_dspark_config(assistant_model.config):
+        return None
+    if not hasattr(assistant_model, "add_context"):
+        raise ValueError(
+            f"assistant_model is a {type(assistant_model).__name__} with a DSpark/DFlash config, not a DSpark draft. "
+            "Load it with dspark_hf.DSparkDraftModel.from_pretrained(...) instead of AutoModel/AutoModelForCausalLM."
+        )
+    return assistant_model
+
+
 def install_dspark_dispatch() -> None:
-    """Installs the DSpark dispatch into transformers' generation (idempotent; run on import)."""
-    current = GenerationMixin._get_candidate_generator
-    if getattr(current, _MARKER, False):
+    """Installs the DSpark dispatch into transformers' generation (idempotent; run on import).
+
+    Two private methods of ``GenerationMixin`` are wrapped: ``_validate_generation_mode`` (so a
+    mismatched draft fails with DSpark's own message before transformers' generic tokenizer check)
+    and ``_get_candidate_generator`` (to build :class:`DSparkCandidateGenerator`).
+    """
+    if getattr(GenerationMixin._get_candidate_generator, _MARKER, False):
         return
     _check_transformers_api()
-    original = current
+    original = GenerationMixin._get_candidate_generator
+    original_validate = GenerationMixin._validate_generation_mode
+
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs):
+        draft = _as_dspark_draft(generation_mode_kwargs.get("assistant_model"))
+        if draft is not None:
+            if generation_mode != GenerationMode.ASSISTED_GENERATION:
+                # transformers would drop the assistant with a warning and run another mode.
+                raise ValueError(
+                    f"DSpark generation supports greedy decoding and sampling, but these settings select "
+                    f"{generation_mode} (num_beams={generation_config.num_beams}). Use num_beams=1 and no "
+                    "other decoding strategy, or drop assistant_model. DSpark does not support beam search."
+                )
+            draft.check_target(self)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs)
 
     @functools.wraps(original)
     def _get_candidate_generator(
         self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model=None, **kwargs
     ):
-        if assistant_model is not None and is_dspark_config(assistant_model.config):
+        if _as_dspark_draft(assistant_model) is not None:
             from .candidate_generator import DSparkCandidateGenerator
 
             return DSparkCandidateGenerator(
@@ -84,8 +119,10 @@ def install_dspark_dispatch() -> None:
             **kwargs,
         )
 
-    setattr(_get_candidate_generator, _MARKER, True)
-    _get_candidate_generator.__wrapped_original__ = original
+    for wrapper, wrapped in ((_get_candidate_generator, original), (_validate_generation_mode, original_validate)):
+        setattr(wrapper, _MARKER, True)
+        wrapper.__wrapped_original__ = wrapped
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._get_candidate_generator = _get_candidate_generator
 
 

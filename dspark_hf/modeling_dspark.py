@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
@@ -33,6 +34,11 @@ from .configuration_dspark import DSparkConfig
 logger = logging.get_logger(__name__)
 
 OPTIONAL_MODULES = ("embed_tokens", "lm_head")
+
+
+def _drop_load_report(record) -> bool:
+    """Logging filter: hides transformers' weight-loading report (DSpark raises its own errors)."""
+    return "LOAD REPORT" not in str(record.msg)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -348,9 +354,29 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         target's at generation time.
         """
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
+        # transformers logs a "newly initialized" report for absent embed_tokens/lm_head, which is
+        # expected here; key problems are reported below as an error instead.
+        report_logger = logging.get_logger("transformers.modeling_utils")
+        report_logger.addFilter(_drop_load_report)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except RuntimeError as err:
+            if "ignore_mismatched_sizes" in str(err) or "size mismatch" in str(err):
+                raise ValueError(
+                    f"Checkpoint {pretrained_model_name_or_path!s} has weights whose shapes do not match its config "
+                    "(vocab_size, hidden_size, markov_rank, number of target layers). Check that config.json "
+                    f"belongs to these weights. Details: {err}"
+                ) from err
+            raise
+        except SafetensorError as err:
+            raise ValueError(
+                f"The weights of {pretrained_model_name_or_path!s} are broken or incomplete ({err}). "
+                "Re-download or re-save the checkpoint."
+            ) from err
+        finally:
+            report_logger.removeFilter(_drop_load_report)
         missing = set(info.get("missing_keys", []))
         absent_optional = [name for name in OPTIONAL_MODULES if f"{name}.weight" in missing]
         missing -= {f"{name}.weight" for name in absent_optional}
@@ -372,7 +398,15 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     # ------------------------------------------------------------------ target binding / checks
     def bind_target(self, target: PreTrainedModel) -> None:
-        """Checks that ``target`` fits this draft and borrows its embedding/LM head where needed.
+        """Checks that ``target`` fits this draft and borrows its embedding/LM head where needed."""
+        embed, lm_head = self.check_target(target)
+        self._borrowed = (
+            None if self.embed_tokens is not None else embed,
+            None if self.lm_head is not None else lm_head,
+        )
+
+    def check_target(self, target: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
+        """Checks that ``target`` fits this draft; returns the embedding and LM head the draft will use.
 
         Raises ``ValueError`` naming the mismatch (vocab size, hidden size, layer ids, mask id).
         """
@@ -410,10 +444,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             )
         if lm_head is None:
             raise ValueError("Neither the draft nor the target has an LM head (get_output_embeddings() is None).")
-        self._borrowed = (
-            None if self.embed_tokens is not None else embed,
-            None if self.lm_head is not None else lm_head,
-        )
+        return embed, lm_head
 
     def _embedding(self) -> nn.Module:
         embed = self.embed_tokens if self.embed_tokens is not None else self._borrowed[0]

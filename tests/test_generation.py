@@ -1,0 +1,158 @@
+"""Greedy DSpark generation is identical to the target alone, through every path of the round."""
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from dspark_hf import FixedLengthPolicy, PrefixScheduler
+from tiny_models import markov_draft, random_target, target_next_token_table
+
+BLOCK = 4
+VOCAB = 48
+
+
+def _prompts(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (1, int(torch.randint(2, 24, (1,), generator=gen))), generator=gen) for _ in range(n)]
+
+
+def _target_and_draft(arch, **draft_kwargs):
+    target = random_target(arch)
+    # The draft proposes the target's next token given only the current one: right often, not always.
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK, **draft_kwargs)
+    return target, draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_identical_to_target_all_accept_lengths(arch):
+    target, draft = _target_and_draft(arch)
+    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    accepted = [0] * (BLOCK + 1)
+    for i, prompt in enumerate(_prompts(24)):
+        max_new = (5, 17, 40)[i % 3]
+        expected = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
+        got = target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
+        assert got.tolist() == expected.tolist(), f"prompt {i} differs"
+        for k, n in enumerate(draft.generation_stats.accepted_length_histogram()):
+            accepted[k] += n
+    assert all(n > 0 for n in accepted), f"every accepted length 0..{BLOCK} must occur, got {accepted}"
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_greedy_identical_with_scheduler_and_markov_heads(head_type):
+    target = random_target("qwen3", seed=1)
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK, head_type=head_type,
+                         confidence_logits=torch.linspace(-3, 4, VOCAB))
+    if head_type == "rnn":  # a random rnn head: proposals come from its own bias, still verified exactly
+        torch.nn.init.normal_(draft.markov_head.joint_proj.weight, std=0.5)
+    draft.verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.42])
+    scheduled = [0] * (BLOCK + 1)
+    for prompt in _prompts(10, seed=1):
+        expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+        got = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        assert got.tolist() == expected.tolist()
+        for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()):
+            scheduled[k] += n
+    assert scheduled[0] > 0 and sum(scheduled[2:]) > 0, f"scheduler should vary the length, got {scheduled}"
+
+
+def test_greedy_stops_at_eos_inside_a_block():
+    target, draft = _target_and_draft("llama")
+    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    checked = 0
+    for prompt in _prompts(12, seed=2):
+        free_run = target.generate(prompt, max_new_tokens=30, do_sample=False)
+        eos = free_run[0, prompt.shape[1] + 9].item()  # a token the target emits mid-generation
+        expected = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+        got = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant_model=draft)
+        assert got.tolist() == expected.tolist()
+        checked += int(expected.shape[1] < free_run.shape[1])
+    assert checked > 0
+
+
+def test_default_policy_profiles_and_generates():
+    target, draft = _target_and_draft("llama", confidence_logits=torch.zeros(VOCAB))
+    prompt = _prompts(1)[0]
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    got = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft)
+    assert got.tolist() == expected.tolist()
+    assert isinstance(draft._default_policy[1], PrefixScheduler)
+    assert len(draft._default_policy[1].sps) == BLOCK + 1
+
+
+def test_dflash_draft_verifies_full_block_by_default():
+    target = random_target("llama")
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)  # no confidence head
+    prompt = _prompts(1)[0]
+    got = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert got.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
+    hist = draft.generation_stats.scheduled_length_histogram()
+    assert hist[BLOCK] >= len(draft.generation_stats.rounds) - 1  # the last round may be cut by the length budget
+
+
+def test_statistics_add_up():
+    target, draft = _target_and_draft("qwen3")
+    draft.verify_policy = FixedLengthPolicy(3)
+    prompt = _prompts(1, seed=5)[0]
+    out = target.generate(prompt, max_new_tokens=33, do_sample=False, assistant_model=draft)
+    stats = draft.generation_stats
+    new_tokens = out.shape[1] - prompt.shape[1]
+    # every generated token is an accepted draft token or one bonus token per target forward
+    # (the prefill forward produces the first token and is not a drafting round)
+    assert stats.accepted_tokens + stats.num_rounds + 1 == new_tokens
+    assert all(r.accepted <= r.verified <= 3 for r in stats.rounds)
+    assert stats.mean_accepted_length == pytest.approx((stats.accepted_tokens + stats.num_rounds) / stats.num_rounds)
+    rates = stats.per_position_acceptance()
+    assert len(rates) == BLOCK and all(r is None or 0.0 <= r <= 1.0 for r in rates)
+    assert rates[3] is None  # position 4 was never verified with FixedLengthPolicy(3)
+    assert set(stats.timings()) == {"draft_forward", "serial_sampling", "scheduler", "target_verify"}
+
+
+def test_logits_processors_in_greedy_and_output_hidden_states():
+    target, draft = _target_and_draft("llama")
+    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    prompt = _prompts(1, seed=3)[0]
+    kwargs = dict(max_new_tokens=25, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3)
+    expected = target.generate(prompt, **kwargs)
+    assert target.generate(prompt, assistant_model=draft, **kwargs).tolist() == expected.tolist()
+    out = target.generate(prompt, assistant_model=draft, output_hidden_states=True, return_dict_in_generate=True,
+                          max_new_tokens=10, do_sample=False)
+    ref = target.generate(prompt, output_hidden_states=True, return_dict_in_generate=True, max_new_tokens=10,
+                          do_sample=False)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert len(out.hidden_states) == len(ref.hidden_states)
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.extend(value.reshape(-1).tolist())
+
+    def end(self):
+        self.tokens.append("END")
+
+
+class _StopAfter(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_streamer_and_stopping_criteria():
+    target, draft = _target_and_draft("qwen3")
+    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    prompt = _prompts(1, seed=4)[0]
+    streamer = _Collect()
+    out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft, streamer=streamer)
+    assert streamer.tokens == prompt[0].tolist() + out[0, prompt.shape[1]:].tolist() + ["END"]
+    stop = StoppingCriteriaList([_StopAfter(prompt.shape[1] + 7)])
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False, stopping_criteria=stop)
+    got = target.generate(prompt, max_new_tokens=20, do_sample=False, stopping_criteria=stop, assistant_model=draft)
+    # assisted generation checks stopping criteria once per round, so it may overshoot; never diverges
+    assert got[0, : expected.shape[1]].tolist() == expected[0].tolist()
+    assert got.shape[1] < prompt.shape[1] + 20
