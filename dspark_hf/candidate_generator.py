@@ -176,6 +176,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = DSparkGenerationStats(block_size=self.block_size)
         draft.generation_stats = self.stats
         self._pending: dict[str, float] | None = None
+        self._prompt_has_padding = False
 
     @torch.no_grad()
     def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
@@ -196,8 +197,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         features = torch.cat([h[:, :num_new].to(self.device) for h in selected], dim=-1)
         start = self.cache.length
         attention_mask = model_kwargs.get("attention_mask")
+        if start == 0:  # padding can only sit in the prompt, so check it once
+            self._prompt_has_padding = attention_mask is not None and not bool(attention_mask.all())
         key_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if self._prompt_has_padding:
             mask = attention_mask[:, : cur_len - 1].to(self.device)
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
             key_mask = mask[:, start:].bool()

@@ -510,7 +510,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             hidden = layer(hidden, cos, sin, keys, values, attention_mask)
         hidden = self.norm(hidden)
         head = self._lm_head()
-        logits = head(hidden.to(head.weight.device)).to(hidden.device)
+        logits = head(hidden.to(head.weight.device, head.weight.dtype)).to(hidden.device)
         return DraftBlockOutput(hidden_states=hidden, logits=logits)
 
 

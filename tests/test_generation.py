@@ -156,3 +156,14 @@ def test_streamer_and_stopping_criteria():
     # assisted generation checks stopping criteria once per round, so it may overshoot; never diverges
     assert got[0, : expected.shape[1]].tolist() == expected[0].tolist()
     assert got.shape[1] < prompt.shape[1] + 20
+
+
+def test_left_padded_single_prompt():
+    target, draft = _target_and_draft("llama")
+    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    prompt = torch.tensor([[0, 0, 0, 5, 9, 13, 2, 7]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    expected = target.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False)
+    got = target.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False, assistant_model=draft)
+    assert got.tolist() == expected.tolist()
+    assert draft.generation_stats.accepted_tokens > 0
