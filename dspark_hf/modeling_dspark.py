@@ -219,18 +219,9 @@ class DSparkPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, Qwen3RMSNorm):
-            nn.init.ones_(module.weight)
-        if isinstance(module, MarkovHead):
-            # A fresh Markov head starts as a no-op bias so a new draft behaves like DFlash.
-            nn.init.zeros_(module.markov_w2.weight)
+        # transformers' generic init covers Linear/Embedding/RMSNorm and recomputes the rotary
+        # buffers (non-persistent, so absent from checkpoints); it skips loaded weights.
+        super()._init_weights(module)
 
 
 class DSparkDraftModel(DSparkPreTrainedModel):
@@ -334,6 +325,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             architectures=["DSparkDraftModel"],
         )
         draft = cls(config)
+        if draft.markov_head is not None:
+            # A fresh Markov head starts as a zero bias, so an untrained draft behaves like DFlash.
+            nn.init.zeros_(draft.markov_head.markov_w2.weight)
         dtype = target.get_input_embeddings().weight.dtype
         draft.to(device=target.get_input_embeddings().weight.device, dtype=dtype)
         if copy_embeddings:
