@@ -1,0 +1,411 @@
+"""Training DSpark / DFlash drafts for any transformers causal LM (paper section 3.3).
+
+Recipe: the target is frozen; the draft shares (and freezes) the target's embedding and LM head.
+Each training sequence (a prompt answered by the target itself, see :mod:`dspark_hf.data`)
+contributes random anchors; an anchor ``a`` forms the block ``[x_a, MASK * (gamma-1)]`` at
+positions ``a..a+gamma-1`` whose outputs predict ``x_{a+1}..x_{a+gamma}``. A block attends to the
+target features of the context strictly before its anchor and to its own tokens; many blocks of
+one sequence are packed into one forward with that mask.
+
+Loss per position k, weighted by ``w_k = exp(-(k-1)/gamma)`` and summed over k:
+``0.1 * CE(p_d, x*) + 0.9 * ||p_d - p_t||_1 + 1.0 * BCE(c_k, 1 - 0.5 * ||p_d - p_t||_1)``, with
+``p_d = softmax(U_k + B_k(x*_{k-1}))`` (teacher forcing: the Markov head sees the true previous
+token) and ``p_t`` the target's next-token distribution at that position.
+
+Target features (the hidden states of ``target_layer_ids`` and the final hidden state that gives
+``p_t``) are computed once per corpus and cached on disk in fp16.
+
+Runs under accelerate (one CPU here, several GPUs elsewhere), with a progress bar, periodic
+checkpoints, ``--resume`` and a JSONL log of the loss terms and per-position accuracy.
+CLI: ``python -m dspark_hf.training --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from .modeling_dspark import DSparkDraftModel
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class TrainingConfig:
+    """Everything that defines a training run (saved as ``training_config.json``)."""
+
+    block_size: int = 7
+    num_hidden_layers: int = 1
+    markov_rank: int = 64
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    anchors_per_sequence: int = 16
+    sequences_per_step: int = 4
+    max_seq_len: int = 512
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    held_out_sequences: int = 32
+    save_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------- blocks & mask
+def sample_anchors(
+    seq_len: int, answer_start: int, num_anchors: int, block_size: int, generator: torch.Generator
+) -> torch.LongTensor:
+    """Distinct sorted anchor positions ``a`` with ``answer_start - 1 <= a <= seq_len - 1 - block_size``.
+
+    The block of anchor ``a`` predicts tokens ``a+1..a+block_size``, all inside the sequence and
+    in the answer (the first block after the prompt predicts the first answer token).
+    """
+    low, high = max(answer_start - 1, 0), seq_len - 1 - block_size
+    if high < low:
+        return torch.empty(0, dtype=torch.long)
+    count = min(num_anchors, high - low + 1)
+    return (torch.randperm(high - low + 1, generator=generator)[:count] + low).sort().values
+
+
+def block_attention_mask(anchors: torch.LongTensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Boolean mask (A*gamma, context_len + A*gamma): block i sees context ``< anchors[i]`` and itself."""
+    num_blocks = anchors.numel()
+    context = torch.arange(context_len)[None, :] < anchors[:, None]  # (A, L)
+    context = context.repeat_interleave(block_size, dim=0)  # (A*gamma, L)
+    block_ids = torch.arange(num_blocks).repeat_interleave(block_size)
+    own_block = block_ids[:, None] == block_ids[None, :]  # (A*gamma, A*gamma)
+    return torch.cat([context, own_block], dim=1)
+
+
+def position_weights(block_size: int, device=None) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/gamma)`` for k = 1..gamma."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / block_size)
+
+
+# --------------------------------------------------------------------------------------- loss
+def dspark_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.LongTensor,
+    confidence_logits: torch.Tensor | None,
+    *,
+    ce_weight: float = 0.1,
+    tv_weight: float = 0.9,
+    conf_weight: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """The paper's loss for blocks of draft predictions.
+
+    Args:
+        draft_logits: ``U + B`` per block position, (A, gamma, V).
+        target_logits: the target's logits for the same positions, (A, gamma, V).
+        labels: the true tokens, (A, gamma).
+        confidence_logits: pre-sigmoid ``c_k``, (A, gamma), or None without a confidence head.
+
+    Returns a dict with ``loss`` (mean over blocks of the position-weighted sum), the unweighted
+    means ``ce``, ``tv`` (L1 distance), ``bce``, and per-position ``accuracy`` (argmax == label)
+    and ``acceptance`` (``1 - tv/2``, the expected acceptance at temperature 1).
+    """
+    gamma = draft_logits.shape[1]
+    weights = position_weights(gamma, draft_logits.device)
+    log_p_draft = torch.log_softmax(draft_logits.float(), dim=-1)
+    p_draft = log_p_draft.exp()
+    p_target = torch.softmax(target_logits.float(), dim=-1)
+    ce = F.nll_loss(log_p_draft.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels).float()
+    tv = (p_draft - p_target).abs().sum(-1)
+    acceptance = 1.0 - 0.5 * tv
+    total = ce_weight * ce + tv_weight * tv
+    bce = torch.zeros_like(tv)
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(
+            confidence_logits.float(), acceptance.detach().clamp(0.0, 1.0), reduction="none"
+        )
+        total = total + conf_weight * bce
+    loss = (total * weights).sum(-1).mean()
+    return {
+        "loss": loss,
+        "ce": ce.mean().detach(),
+        "tv": tv.mean().detach(),
+        "bce": bce.mean().detach(),
+        "accuracy": (draft_logits.argmax(-1) == labels).float().mean(0).detach(),
+        "acceptance": acceptance.mean(0).detach(),
+    }
+
+
+# ------------------------------------------------------------------------------- target features
+@torch.no_grad()
+def target_features(target: PreTrainedModel, input_ids: torch.LongTensor, layer_ids: list[int]):
+    """(context features (L, m*d), final hidden (L, d)) of one sequence, fp16 on CPU."""
+    out = target.base_model(input_ids=input_ids[None].to(target.device), output_hidden_states=True)
+    hidden = out.hidden_states
+    context = torch.cat([hidden[i + 1][0] for i in layer_ids], dim=-1)
+    return context.half().cpu(), out.last_hidden_state[0].half().cpu()
+
+
+def build_feature_cache(target: PreTrainedModel, records: list[dict], layer_ids: list[int], path: Path,
+                        max_seq_len: int) -> list[dict]:
+    """Sequences with their target features, cached at ``path`` (recomputed if missing)."""
+    if path.exists():
+        cached = torch.load(path, weights_only=True)
+        if cached["layer_ids"] == list(layer_ids) and len(cached["items"]) == len(records):
+            return cached["items"]
+    items = []
+    for record in tqdm(records, desc="Target features", unit="seq"):
+        ids = torch.tensor((record["prompt_ids"] + record["answer_ids"])[:max_seq_len])
+        context, final = target_features(target, ids, layer_ids)
+        items.append({"ids": ids, "answer_start": len(record["prompt_ids"]), "context": context, "final": final})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"layer_ids": list(layer_ids), "items": items}, path)
+    return items
+
+
+# ------------------------------------------------------------------------------ forward pieces
+def draft_block_outputs(draft: DSparkDraftModel, item: dict, anchors: torch.LongTensor):
+    """Packed forward over all blocks of one sequence.
+
+    Returns (base logits U (A, gamma, V), hidden h (A, gamma, d), previous tokens (A, gamma),
+    labels (A, gamma)).
+    """
+    gamma = draft.config.block_size
+    device = draft.fc.weight.device
+    ids = item["ids"].to(device)
+    context_len = int(anchors.max()) if anchors.numel() else 0  # blocks never see past their anchor
+    offsets = torch.arange(gamma, device=device)
+    block_positions = (anchors.to(device)[:, None] + offsets).flatten()
+    block_ids = torch.full((anchors.numel(), gamma), draft.config.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = ids[anchors]
+    cache = draft.new_cache()
+    if context_len > 0:
+        draft.add_context(cache, item["context"][:context_len].to(device, torch.float32)[None],
+                          torch.arange(context_len, device=device)[None])
+    mask = block_attention_mask(anchors.cpu(), context_len, gamma).to(device)
+    out = draft(block_ids.flatten()[None], block_positions[None], cache, attention_mask=mask[None, None])
+    hidden = out.hidden_states[0].view(anchors.numel(), gamma, -1)
+    logits = out.logits[0].view(anchors.numel(), gamma, -1)
+    label_positions = anchors.to(device)[:, None] + offsets + 1
+    labels = ids[label_positions]
+    previous = ids[label_positions - 1]
+    return logits, hidden, previous, labels
+
+
+def serial_logits_teacher_forced(draft: DSparkDraftModel, base_logits, hidden, previous):
+    """``U_k + B_k`` with the Markov head fed the true previous tokens; plus confidence logits."""
+    logits = base_logits
+    if draft.markov_head is not None:
+        head = draft.markov_head
+        state = head.initial_state(previous.shape[0], hidden.device, hidden.dtype)
+        biases = []
+        for k in range(previous.shape[1]):
+            bias, state = head.step(previous[:, k], hidden[:, k], state)
+            biases.append(bias)
+        logits = logits + torch.stack(biases, dim=1)
+    confidence = None
+    if draft.confidence_head is not None:
+        features = draft.markov_head.markov_w1(previous) if draft.confidence_head.with_markov else None
+        confidence = draft.confidence_head.logits(hidden, features)
+    return logits, confidence
+
+
+def step_loss(draft, target_head, item, anchors, cfg: TrainingConfig) -> dict[str, torch.Tensor]:
+    base, hidden, previous, labels = draft_block_outputs(draft, item, anchors)
+    draft_logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
+    final = item["final"].to(hidden.device, torch.float32)
+    label_positions = anchors.to(hidden.device)[:, None] + torch.arange(cfg.block_size, device=hidden.device) + 1
+    with torch.no_grad():
+        target_logits = target_head(final[label_positions - 1])
+    return dspark_loss(draft_logits, target_logits, labels, confidence, ce_weight=cfg.ce_weight,
+                       tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight)
+
+
+# ------------------------------------------------------------------------------------ training
+def make_draft(target: PreTrainedModel, cfg: TrainingConfig) -> DSparkDraftModel:
+    draft = DSparkDraftModel.from_target(
+        target, block_size=cfg.block_size, num_hidden_layers=cfg.num_hidden_layers,
+        target_layer_ids=cfg.target_layer_ids, markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type, confidence_head=cfg.confidence_head,
+        confidence_head_with_markov=cfg.confidence_head_with_markov, mask_token_id=cfg.mask_token_id,
+    )
+    return draft.float()
+
+
+def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, output_dir: str | Path,
+          resume: bool = False) -> DSparkDraftModel:
+    """Trains a fresh draft on ``items`` (from :func:`build_feature_cache`) and saves it to ``output_dir``.
+
+    ``output_dir/checkpoint`` holds the accelerate state every ``save_every`` steps; ``resume``
+    continues from it. ``output_dir/train_log.jsonl`` gets one line per ``log_every`` steps.
+    """
+    from accelerate import Accelerator
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "training_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    torch.manual_seed(cfg.seed)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    target.requires_grad_(False)
+    draft = make_draft(target, cfg)
+    target_head = target.get_output_embeddings()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+
+    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10%
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
+    accelerator.register_for_checkpointing(scheduler)
+    unwrapped = accelerator.unwrap_model(draft)
+    unwrapped.bind_target(target)
+
+    start_step = 0
+    checkpoint = output_dir / "checkpoint"
+    if resume and checkpoint.is_dir():
+        accelerator.load_state(str(checkpoint))
+        start_step = json.loads((checkpoint / "step.json").read_text())["step"]
+        logger.warning(f"Resuming from step {start_step}.")
+    generator = torch.Generator().manual_seed(cfg.seed + start_step)
+    log = (output_dir / "train_log.jsonl").open("a")
+    draft.train()
+    bar = tqdm(range(start_step, cfg.max_steps), desc="Training draft", disable=not accelerator.is_main_process)
+    running: dict[str, float] = {}
+    for step in bar:
+        picks = torch.randint(len(items), (cfg.sequences_per_step,), generator=generator).tolist()
+        losses, parts = [], []
+        for index in picks:
+            item = items[index]
+            anchors = sample_anchors(item["ids"].numel(), item["answer_start"], cfg.anchors_per_sequence,
+                                     cfg.block_size, generator)
+            if anchors.numel() == 0:
+                continue
+            out = step_loss(unwrapped, target_head, item, anchors, cfg)
+            losses.append(out["loss"])
+            parts.append(out)
+        if not losses:
+            continue
+        loss = torch.stack(losses).mean()
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        for key in ("ce", "tv", "bce"):
+            running[key] = running.get(key, 0.0) + float(torch.stack([p[key] for p in parts]).mean())
+        running["loss"] = running.get("loss", 0.0) + float(loss.detach())
+        accuracy = torch.stack([p["accuracy"] for p in parts]).mean(0)
+        running_acc = running.setdefault("_acc", torch.zeros_like(accuracy))
+        running["_acc"] = running_acc + accuracy
+        running["_n"] = running.get("_n", 0) + 1
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
+            n = running.pop("_n")
+            acc = (running.pop("_acc") / n).tolist()
+            record = {"step": step + 1, "lr": scheduler.get_last_lr()[0], "time": time.time(),
+                      **{k: v / n for k, v in running.items()}, "accuracy_per_position": acc}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{acc[0]:.2f}")
+            running = {}
+        if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
+            accelerator.save_state(str(checkpoint))
+            (checkpoint / "step.json").write_text(json.dumps({"step": step + 1}))
+    log.close()
+    draft.eval()
+    unwrapped.save_pretrained(output_dir)
+    return unwrapped
+
+
+# --------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def collect_confidences(draft: DSparkDraftModel, target_head, items: list[dict], anchors_per_sequence: int = 32,
+                        seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced held-out statistics: (confidence logits, acceptance 1 - TV/2, argmax match), each (N, gamma)."""
+    generator = torch.Generator().manual_seed(seed)
+    conf, accept, match = [], [], []
+    cfg = TrainingConfig(block_size=draft.config.block_size)
+    for item in items:
+        anchors = sample_anchors(item["ids"].numel(), item["answer_start"], anchors_per_sequence,
+                                 draft.config.block_size, generator)
+        if anchors.numel() == 0:
+            continue
+        base, hidden, previous, labels = draft_block_outputs(draft, item, anchors)
+        logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
+        final = item["final"].to(hidden.device, torch.float32)
+        positions = anchors[:, None] + torch.arange(cfg.block_size) + 1
+        p_target = torch.softmax(target_head(final[positions - 1]).float(), -1)
+        p_draft = torch.softmax(logits.float(), -1)
+        accept.append(1 - 0.5 * (p_draft - p_target).abs().sum(-1))
+        match.append((logits.argmax(-1) == p_target.argmax(-1)).float())
+        if confidence is not None:
+            conf.append(confidence.float())
+    return (torch.cat(conf) if conf else None), torch.cat(accept), torch.cat(match)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .calibration import calibrate_draft
+    from .data import generate_answers, load_corpus, sharegpt_prompts
+    from .smollm2 import load_smollm2, mask_token_id
+
+    parser = argparse.ArgumentParser(prog="python -m dspark_hf.training", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", required=True, help="draft output folder")
+    parser.add_argument("--corpus", default=None, help="JSONL corpus (default: cache dir / data)")
+    parser.add_argument("--num-prompts", type=int, default=640)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--markov-rank", type=int, default=64)
+    parser.add_argument("--no-confidence-head", action="store_true")
+    parser.add_argument("--max-steps", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--fp16", action="store_true", help="save the draft in fp16")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from .smollm2 import cache_root
+
+    target, tokenizer = load_smollm2()
+    corpus = Path(args.corpus) if args.corpus else cache_root() / "data" / "sharegpt_smollm2.jsonl"
+    generate_answers(target, tokenizer, sharegpt_prompts(limit=args.num_prompts), corpus,
+                     max_new_tokens=args.max_new_tokens, batch_size=32)
+    records = load_corpus(corpus)
+    records.sort(key=lambda r: r["index"])
+    cfg = TrainingConfig(markov_rank=args.markov_rank, max_steps=args.max_steps,
+                         confidence_head=not args.no_confidence_head,
+                         confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
+                         mask_token_id=mask_token_id(tokenizer))
+    layer_ids = make_draft(target, cfg).config.target_layer_ids
+    cfg.target_layer_ids = layer_ids
+    items = build_feature_cache(target, records, layer_ids, corpus.with_suffix(f".features{len(layer_ids)}.pt"),
+                                cfg.max_seq_len)
+    held_out, train_items = items[: cfg.held_out_sequences], items[cfg.held_out_sequences :]
+    draft = train(target, train_items, cfg, args.output, resume=args.resume)
+    if draft.confidence_head is not None:
+        calibrate_draft(draft, target, held_out, Path(args.output))
+    draft.embed_tokens = None
+    draft.lm_head = None
+    if args.fp16:
+        draft.half()
+    draft.save_pretrained(args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Training pieces: the loss on a hand-computed case, anchors, the block mask, loss going down,
+and Sequential Temperature Scaling on synthetic data with known miscalibration."""
+
+import math
+
+import torch
+
+from dspark_hf.calibration import per_position_ece, sequential_temperature_scaling
+from dspark_hf.training import (
+    TrainingConfig,
+    block_attention_mask,
+    build_feature_cache,
+    dspark_loss,
+    make_draft,
+    sample_anchors,
+    step_loss,
+    train,
+)
+from tiny_models import bigram_target
+
+
+def test_loss_matches_hand_computation():
+    # one block, gamma = 2, vocabulary of 2
+    draft_logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])  # p_d = (.5,.5), (.75,.25)
+    target_logits = torch.tensor([[[math.log(4.0), 0.0], [0.0, 0.0]]])  # p_t = (.8,.2), (.5,.5)
+    labels = torch.tensor([[0, 1]])
+    conf_logits = torch.tensor([[0.0, math.log(4.0)]])  # c = 0.5, 0.8
+    out = dspark_loss(draft_logits, target_logits, labels, conf_logits)
+    ce = [-math.log(0.5), -math.log(0.25)]
+    tv = [0.6, 0.5]  # |.5-.8| + |.5-.2| ; |.75-.5| + |.25-.5|
+    acc = [0.7, 0.75]  # 1 - tv/2
+    bce = [-(a * math.log(c) + (1 - a) * math.log(1 - c)) for a, c in zip(acc, [0.5, 0.8])]
+    w = [1.0, math.exp(-1 / 2)]
+    expected = sum(w[k] * (0.1 * ce[k] + 0.9 * tv[k] + 1.0 * bce[k]) for k in range(2))
+    assert abs(out["loss"].item() - expected) < 1e-5
+    assert abs(out["tv"].item() - 0.55) < 1e-6
+    assert torch.allclose(out["acceptance"], torch.tensor(acc))
+    assert out["accuracy"].tolist() == [1.0, 0.0]  # argmax is 0 at both positions (a tie picks 0); labels 0, 1
+    # without a confidence head the BCE term disappears
+    no_conf = dspark_loss(draft_logits, target_logits, labels, None)
+    assert abs(no_conf["loss"].item() - sum(w[k] * (0.1 * ce[k] + 0.9 * tv[k]) for k in range(2))) < 1e-5
+
+
+def test_anchor_sampling():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        anchors = sample_anchors(seq_len=40, answer_start=10, num_anchors=8, block_size=7, generator=gen)
+        assert anchors.numel() == 8
+        assert anchors.tolist() == sorted(set(anchors.tolist()))
+        assert anchors.min() >= 9 and anchors.max() <= 40 - 1 - 7
+    few = sample_anchors(seq_len=20, answer_start=10, num_anchors=8, block_size=7, generator=gen)
+    assert sorted(few.tolist()) == [9, 10, 11, 12]  # only 4 valid anchors
+    assert sample_anchors(seq_len=12, answer_start=10, num_anchors=8, block_size=7, generator=gen).numel() == 0
+
+
+def test_block_mask_by_hand():
+    mask = block_attention_mask(torch.tensor([1, 3]), context_len=3, block_size=2)
+    expected = torch.tensor([
+        # ctx0 ctx1 ctx2 | b0 b0 b1 b1
+        [1, 0, 0, 1, 1, 0, 0],  # block of anchor 1 sees context 0 only, and itself
+        [1, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0, 1, 1],  # block of anchor 3 sees context 0..2, and itself
+        [1, 1, 1, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def _bigram_setup(tmp_path):
+    table = torch.log(torch.softmax(torch.randn(12, 12, generator=torch.Generator().manual_seed(0)) * 3, -1))
+    target = bigram_target(table)
+    gen = torch.Generator().manual_seed(1)
+    records = []
+    for _ in range(8):
+        prompt = torch.randint(0, 12, (1, 4), generator=gen)
+        out = target.generate(prompt, max_new_tokens=40, do_sample=True, top_k=None)
+        records.append({"prompt_ids": prompt[0].tolist(), "answer_ids": out[0, 4:].tolist()})
+    cfg = TrainingConfig(block_size=3, markov_rank=12, max_steps=80, warmup_steps=5, log_every=20,
+                         save_every=40, sequences_per_step=2, anchors_per_sequence=8, mask_token_id=11,
+                         learning_rate=3e-3)
+    cfg.target_layer_ids = make_draft(target, cfg).config.target_layer_ids
+    items = build_feature_cache(target, records, cfg.target_layer_ids, tmp_path / "features.pt", 512)
+    return target, items, cfg
+
+
+def _eval_loss(draft, target, items, cfg):
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        losses = []
+        for item in items:
+            anchors = sample_anchors(item["ids"].numel(), item["answer_start"], 8, cfg.block_size, gen)
+            losses.append(step_loss(draft, target.get_output_embeddings(), item, anchors, cfg)["loss"])
+    return torch.stack(losses).mean().item()
+
+
+def test_training_steps_reduce_the_loss_and_resume(tmp_path):
+    target, items, cfg = _bigram_setup(tmp_path)
+    torch.manual_seed(cfg.seed)
+    before = _eval_loss(make_draft(target, cfg).eval(), target, items, cfg)
+    draft = train(target, items, cfg, tmp_path / "draft")
+    after = _eval_loss(draft.eval(), target, items, cfg)
+    assert after < 0.7 * before, (before, after)
+    log = (tmp_path / "draft" / "train_log.jsonl").read_text().splitlines()
+    assert len(log) == 4 and "accuracy_per_position" in log[-1]
+    assert (tmp_path / "draft" / "checkpoint" / "step.json").exists()
+    # resume from the step-40 checkpoint and finish the remaining steps
+    cfg.max_steps = 60
+    resumed = train(target, items, cfg, tmp_path / "draft", resume=True)
+    assert _eval_loss(resumed.eval(), target, items, cfg) < before
+
+
+def test_sequential_temperature_scaling_recovers_known_miscalibration():
+    gen = torch.Generator().manual_seed(0)
+    true_logits = torch.randn(4000, 4, generator=gen) + 1.0
+    acceptance = torch.sigmoid(true_logits)  # the real per-position acceptance
+    true_temps = torch.tensor([0.5, 2.0, 1.0, 3.0])
+    overconfident = true_logits / true_temps  # what an uncalibrated head outputs
+    temps = sequential_temperature_scaling(overconfident, acceptance)
+    assert torch.allclose(torch.tensor(temps), 1 / true_temps, rtol=0.1), temps
+    before = per_position_ece(overconfident, acceptance)
+    after = per_position_ece(overconfident, acceptance, temps)
+    assert all(a < 0.02 for a in after) and max(before) > 0.05
