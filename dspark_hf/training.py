@@ -62,6 +62,7 @@ class TrainingConfig:
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
+    init_from_target: bool = True
     held_out_sequences: int = 32
     save_every: int = 200
     log_every: int = 10
@@ -242,7 +243,34 @@ def make_draft(target: PreTrainedModel, cfg: TrainingConfig) -> DSparkDraftModel
         markov_head_type=cfg.markov_head_type, confidence_head=cfg.confidence_head,
         confidence_head_with_markov=cfg.confidence_head_with_markov, mask_token_id=cfg.mask_token_id,
     )
-    return draft.float()
+    draft = draft.float()
+    if cfg.init_from_target:
+        init_from_target_layers(draft, target)
+    return draft
+
+
+@torch.no_grad()
+def init_from_target_layers(draft: DSparkDraftModel, target: PreTrainedModel) -> None:
+    """Starts the draft from the target's last layers instead of random weights.
+
+    Draft layer i copies target layer ``L - n + i`` where shapes agree (attention, MLP, norms;
+    q_norm/k_norm stay at ones when the target has none), the final norm copies the target's,
+    and ``fc`` starts as the identity on the deepest selected target layer, so the context
+    features begin as that layer's (normed) hidden states.
+    """
+    target_layers = target.base_model.layers
+    offset = len(target_layers) - len(draft.layers)
+    for i, layer in enumerate(draft.layers):
+        source = dict(target_layers[offset + i].named_parameters())
+        for name, param in layer.named_parameters():
+            if name in source and source[name].shape == param.shape:
+                param.copy_(source[name].float())
+    target_norm = getattr(target.base_model, "norm", None)
+    if target_norm is not None and target_norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight.copy_(target_norm.weight.float())
+    d = draft.config.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -d:] = torch.eye(d)
 
 
 def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, output_dir: str | Path,
@@ -360,48 +388,49 @@ def collect_confidences(draft: DSparkDraftModel, target_head, items: list[dict],
 
 
 def main(argv: list[str] | None = None) -> None:
+    """CLI: data (ShareGPT prompts answered by SmolLM2) -> target features -> training -> STS -> save."""
     from .calibration import calibrate_draft
     from .data import generate_answers, load_corpus, sharegpt_prompts
-    from .smollm2 import load_smollm2, mask_token_id
+    from .smollm2 import cache_root, load_smollm2, mask_token_id
 
     parser = argparse.ArgumentParser(prog="python -m dspark_hf.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", required=True, help="draft output folder")
-    parser.add_argument("--corpus", default=None, help="JSONL corpus (default: cache dir / data)")
-    parser.add_argument("--num-prompts", type=int, default=640)
+    parser.add_argument("--output", help="draft output folder")
+    parser.add_argument("--corpus", default=None, help="JSONL corpus (default: <cache>/data/sharegpt_smollm2.jsonl)")
+    parser.add_argument("--num-prompts", type=int, default=320)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--markov-rank", type=int, default=64)
     parser.add_argument("--no-confidence-head", action="store_true")
-    parser.add_argument("--max-steps", type=int, default=1000)
+    parser.add_argument("--max-steps", type=int, default=800)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--prepare-only", action="store_true", help="only build the corpus and the feature cache")
     parser.add_argument("--fp16", action="store_true", help="save the draft in fp16")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    from .smollm2 import cache_root
+    if not args.prepare_only and not args.output:
+        parser.error("--output is required unless --prepare-only")
 
     target, tokenizer = load_smollm2()
     corpus = Path(args.corpus) if args.corpus else cache_root() / "data" / "sharegpt_smollm2.jsonl"
-    generate_answers(target, tokenizer, sharegpt_prompts(limit=args.num_prompts), corpus,
-                     max_new_tokens=args.max_new_tokens, batch_size=32)
-    records = load_corpus(corpus)
-    records.sort(key=lambda r: r["index"])
+    prompts = sharegpt_prompts(limit=args.num_prompts)
+    generate_answers(target, tokenizer, prompts, corpus, max_new_tokens=args.max_new_tokens, batch_size=32)
+    records = sorted((r for r in load_corpus(corpus) if r["index"] < args.num_prompts), key=lambda r: r["index"])
     cfg = TrainingConfig(markov_rank=args.markov_rank, max_steps=args.max_steps,
                          confidence_head=not args.no_confidence_head,
                          confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
                          mask_token_id=mask_token_id(tokenizer))
-    layer_ids = make_draft(target, cfg).config.target_layer_ids
-    cfg.target_layer_ids = layer_ids
-    items = build_feature_cache(target, records, layer_ids, corpus.with_suffix(f".features{len(layer_ids)}.pt"),
-                                cfg.max_seq_len)
+    cfg.target_layer_ids = make_draft(target, cfg).config.target_layer_ids
+    feature_path = corpus.with_name(f"{corpus.stem}.n{args.num_prompts}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
+    items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len)
+    if args.prepare_only:
+        return
     held_out, train_items = items[: cfg.held_out_sequences], items[cfg.held_out_sequences :]
     draft = train(target, train_items, cfg, args.output, resume=args.resume)
     if draft.confidence_head is not None:
-        calibrate_draft(draft, target, held_out, Path(args.output))
-    draft.embed_tokens = None
-    draft.lm_head = None
+        report = calibrate_draft(draft, target, held_out, Path(args.output))
+        logger.warning(f"Calibration: ECE before {report['ece_before']}, after {report['ece_after']}")
     if args.fp16:
         draft.half()
     draft.save_pretrained(args.output)

