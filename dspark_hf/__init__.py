@@ -6,6 +6,7 @@ After ``import dspark_hf``, ``target.generate(**inputs, assistant_model=draft)``
 
 from .candidate_generator import DSparkCandidateGenerator, DSparkGenerationStats, RoundStats
 from .configuration_dspark import DSparkConfig, is_dspark_config
+from .hub import checkpoint_format, export, push_to_hub, register_auto_classes, render_model_card
 from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
 from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .sampling import SerialSample, serial_sample
@@ -14,6 +15,7 @@ from .scheduler import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, prof
 __version__ = "0.1.0"
 
 install_dspark_dispatch()
+register_auto_classes()
 
 __all__ = [
     "DSparkCandidateGenerator",
@@ -25,10 +27,15 @@ __all__ = [
     "RoundStats",
     "SerialSample",
     "ThresholdPolicy",
+    "checkpoint_format",
     "default_target_layer_ids",
+    "export",
     "install_dspark_dispatch",
     "is_dspark_config",
     "is_dspark_dispatch_installed",
     "profile_sps",
+    "push_to_hub",
+    "register_auto_classes",
+    "render_model_card",
     "serial_sample",
 ]

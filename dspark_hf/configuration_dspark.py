@@ -46,6 +46,14 @@ class DSparkConfig(PreTrainedConfig):
         confidence_head_with_markov: whether ``c_k`` also sees ``W1[x_{k-1}]``.
         confidence_temperatures: optional per-position temperatures from Sequential Temperature
             Scaling (``c_k = sigmoid(logit_k / T_k)``); ``None`` means uncalibrated.
+        anchor_predicts: which block outputs are predictions. ``True`` (DSpark, DeepSpec): the
+            block is ``[x0, MASK * (block_size - 1)]`` and the output at the anchor predicts
+            ``x_1``. ``False`` (z-lab DFlash checkpoints): the block is ``[x0, MASK * block_size]``,
+            each mask position predicts its own token and the anchor's output is unused, so
+            ``block_size`` here is z-lab's ``block_size - 1`` (set when such a config is loaded).
+
+    A z-lab DFlash ``config.json`` (``architectures: ["DFlashDraftModel"]``) is translated on load
+    by :meth:`from_dict`; see :func:`translate_zlab_dflash_config`.
     """
 
     model_type = "dspark"
@@ -80,6 +88,22 @@ class DSparkConfig(PreTrainedConfig):
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
+    anchor_predicts: bool = True
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """Builds the config from a ``config.json`` dict; a z-lab DFlash dict is translated first."""
+        if is_zlab_dflash_config_dict(config_dict):
+            config_dict = translate_zlab_dflash_config(config_dict)
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """No-op. ``import dspark_hf`` registers this class with ``AutoConfig`` itself, and Hub folders
+        get thin remote-code files from :func:`dspark_hf.hub.export`. transformers calls this after a
+        remote-code load; the default would make every later ``save_pretrained`` copy this module's
+        source into the folder, a second implementation that breaks ``isinstance``."""
+        return None
 
     def __post_init__(self, **kwargs):
         # A DeepSpec config.json says model_type "qwen3"; keep the class's "dspark" visible.
@@ -148,4 +172,98 @@ def is_dspark_config(config) -> bool:
     return any(str(a).endswith(DSPARK_ARCHITECTURE_SUFFIXES) for a in architectures)
 
 
-__all__ = ["DSparkConfig", "is_dspark_config"]
+# --------------------------------------------------------------------------- z-lab DFlash configs
+# Facts from z-lab's published DFlash code (dflash/model.py): a value in ``dflash_config`` wins over
+# the top-level one; ``target_layer_ids`` and ``mask_token_id`` are required; ``block_size``
+# defaults to 16; the block ``[anchor, MASK * (block_size - 1)]`` is drafted at the mask positions
+# (each predicts its own token); the draft has no embedding or LM head (it uses the target's).
+ZLAB_DFLASH_ARCHITECTURE = "DFlashDraftModel"
+# Fields that change the computation in z-lab's code, with the value that leaves it as plain DFlash.
+_ZLAB_NEUTRAL_FIELDS = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "is_causal": False,
+    "causal": False,
+}
+_ZLAB_SUPPORTED_DFLASH_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "num_target_layers"}
+
+
+def is_zlab_dflash_config_dict(config_dict: dict) -> bool:
+    """True for a ``config.json`` from z-lab's DFlash family (a ``dflash_config`` or a DFlash/Domino architecture)."""
+    architectures = [str(a) for a in (config_dict.get("architectures") or [])]
+    return "dflash_config" in config_dict or any(a.startswith(("DFlash", "Domino")) for a in architectures)
+
+
+def translate_zlab_dflash_config(config_dict: dict) -> dict:
+    """Turns a z-lab DFlash ``config.json`` dict into DSparkConfig fields, or raises ``ValueError``.
+
+    Supported: ``architectures: ["DFlashDraftModel"]`` with full (bidirectional) attention and no
+    logit/embedding rescaling. The result drafts exactly z-lab's positions: z-lab ``block_size`` B
+    becomes ``block_size = B - 1`` draft tokens with ``anchor_predicts = False``; ``markov_rank = 0``
+    and no confidence head (plain DFlash, the whole block is verified). Rejected, with the reason:
+    other architectures of the family (DFlash2 with its convolutions and candidate selector,
+    Domino, ...), sliding-window or causal layers, ``output_multiplier``/``final_logit_softcapping``
+    /``input_embedding_scale`` other than neutral, unknown ``dflash_config`` keys.
+    """
+    src = dict(config_dict)
+    name = src.get("_name_or_path") or "this checkpoint"
+    architectures = list(src.get("architectures") or [])
+    dflash = dict(src.pop("dflash_config", None) or {})
+
+    def fail(reason: str) -> ValueError:
+        return ValueError(
+            f"{name} is a z-lab DFlash-family draft that dspark_hf cannot run with identical drafting: {reason} "
+            "Supported: architectures [\"DFlashDraftModel\"] with full attention. Use z-lab's own code "
+            "(AutoModel.from_pretrained(..., trust_remote_code=True) and its spec_generate) for this checkpoint."
+        )
+
+    if architectures != [ZLAB_DFLASH_ARCHITECTURE]:
+        raise fail(f"architectures {architectures} (only [\"{ZLAB_DFLASH_ARCHITECTURE}\"] is supported).")
+    unknown = sorted(set(dflash) - _ZLAB_SUPPORTED_DFLASH_KEYS - set(_ZLAB_NEUTRAL_FIELDS))
+    if unknown:
+        raise fail(f"dflash_config has fields whose behaviour is not implemented here: {unknown}.")
+
+    def value(key, default=None):
+        return dflash[key] if key in dflash else src.get(key, default)
+
+    for key, neutral in _ZLAB_NEUTRAL_FIELDS.items():
+        got = value(key, neutral)
+        if got != neutral and not (neutral is not None and got is not None and float(got) == float(neutral)):
+            raise fail(f"{key} = {got!r} (only {neutral!r} is supported).")
+        src.pop(key, None)
+    num_layers = int(src.get("num_hidden_layers", 1))
+    layer_types = src.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types) or (not layer_types and src.get("use_sliding_window")):
+        raise fail(f"sliding-window attention layers ({layer_types or 'use_sliding_window'}) are not supported.")
+    target_layer_ids = value("target_layer_ids")
+    mask_token_id = value("mask_token_id")
+    if target_layer_ids is None or mask_token_id is None:
+        raise fail("dflash_config must give target_layer_ids and mask_token_id.")
+    block_size = int(value("block_size", 16))
+    if block_size < 2:
+        raise fail(f"block_size {block_size} drafts no token (z-lab drafts block_size - 1 tokens).")
+
+    src.pop("auto_map", None)
+    src.update(
+        architectures=["DSparkDraftModel"],
+        block_size=block_size - 1,
+        anchor_predicts=False,
+        target_layer_ids=[int(i) for i in target_layer_ids],
+        mask_token_id=int(mask_token_id),
+        num_target_layers=value("num_target_layers"),
+        markov_rank=0,
+        enable_confidence_head=False,
+        confidence_head_with_markov=False,
+        tie_word_embeddings=False,  # the draft stores neither; both come from the target
+        layer_types=["full_attention"] * num_layers,
+    )
+    return src
+
+
+__all__ = [
+    "DSparkConfig",
+    "is_dspark_config",
+    "is_zlab_dflash_config_dict",
+    "translate_zlab_dflash_config",
+]

@@ -223,6 +223,20 @@ class DSparkPreTrainedModel(PreTrainedModel):
         # buffers (non-persistent, so absent from checkpoints); it skips loaded weights.
         super()._init_weights(module)
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """No-op: ``import dspark_hf`` registers the draft with ``AutoModel``, and
+        :func:`dspark_hf.hub.export` writes thin remote-code files (transformers' default would copy
+        this module's source into every later ``save_pretrained`` folder)."""
+        return None
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Uploads a Hub-ready folder (remote code, ``custom_generate``, model card); see
+        :func:`dspark_hf.hub.push_to_hub` for the arguments."""
+        from .hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
+
 
 class DSparkDraftModel(DSparkPreTrainedModel):
     """DSpark (or, with ``markov_rank = 0``, DFlash) draft model.
@@ -491,6 +505,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         Every block position sees the whole block and all context (no causal mask).
         """
+        mask_positions_predict = not getattr(self.config, "anchor_predicts", True)
+        if mask_positions_predict:
+            input_ids, position_ids = self._extend_block_for_mask_predictions(input_ids, position_ids)
         embed = self._embedding()
         hidden = embed(input_ids.to(embed.weight.device)).to(self.fc.weight.device, self.fc.weight.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
@@ -503,9 +520,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             values = cache.values[idx] if cache is not None else None
             hidden = layer(hidden, cos, sin, keys, values, attention_mask)
         hidden = self.norm(hidden)
+        if mask_positions_predict:  # z-lab layout: the anchor's output predicts nothing
+            hidden = hidden[:, 1:]
         head = self._lm_head()
         logits = head(hidden.to(head.weight.device, head.weight.dtype)).to(hidden.device)
         return DraftBlockOutput(hidden_states=hidden, logits=logits)
+
+    def _extend_block_for_mask_predictions(self, input_ids, position_ids):
+        """z-lab DFlash layout (``anchor_predicts=False``, inference blocks only): the block
+        ``[x0, MASK * (gamma - 1)]`` becomes ``[x0, MASK * gamma]`` at the next position, so that the
+        gamma mask positions predict ``x_1..x_gamma`` (each its own token), exactly as z-lab drafts."""
+        extra = torch.full_like(input_ids[:, :1], self.config.mask_token_id)
+        return torch.cat([input_ids, extra], dim=1), torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
