@@ -499,11 +499,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         cache.length += target_hidden.shape[1]
 
     def forward(
-        self, input_ids: torch.LongTensor, position_ids: torch.LongTensor, cache: DraftContextCache | None = None
+        self,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor,
+        cache: DraftContextCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> DraftBlockOutput:
         """Runs one block (R, gamma) at ``position_ids`` against the cached context.
 
-        Every block position sees the whole block and all context (no causal mask).
+        Every block position sees the whole block and all context (no causal mask). Training
+        packs many blocks into one row and passes ``attention_mask`` (bool, broadcastable to
+        (R, heads, block tokens, context + block tokens)) so each block sees only its own tokens
+        and the context before its anchor.
         """
         mask_positions_predict = not getattr(self.config, "anchor_predicts", True)
         if mask_positions_predict:
@@ -511,8 +518,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         embed = self._embedding()
         hidden = embed(input_ids.to(embed.weight.device)).to(self.fc.weight.device, self.fc.weight.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        attention_mask = None
-        if cache is not None and cache.key_mask is not None:
+        if attention_mask is None and cache is not None and cache.key_mask is not None:
             block_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=hidden.device)
             attention_mask = torch.cat([cache.key_mask, block_mask], dim=1)[:, None, None, :]
         for idx, layer in enumerate(self.layers):
