@@ -8,8 +8,9 @@ draft distribution; any mismatch (another temperature, a missing top-k) would bi
 Confidences ``c_1..c_gamma`` are computed after the loop in one batched call: ``c_k`` reads
 ``x_{k-1}`` (never ``x_k``), and all of ``x_0..x_{gamma-1}`` are known by then.
 
-This module is the PyTorch reference path; a compiled CUDA op can replace the loop behind
-:func:`serial_sample` for the configurations it supports.
+This module is the PyTorch reference path; a compiled CUDA op (:mod:`dspark_hf.cuda_ops`) replaces
+the loop behind :func:`serial_sample` on CUDA tensors for the configurations it supports (greedy or
+temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces either path.
 """
 
 from __future__ import annotations
@@ -32,11 +33,32 @@ class SerialSample:
             processors), (R, gamma, V).
         confidences: ``c_1..c_gamma`` (calibrated when the config has temperatures), (R, gamma)
             float32, or ``None`` for a draft without a confidence head.
+        uniforms: when sampling by inverse CDF (the CUDA op always, the reference when given
+            ``uniforms``), the numbers in [0, 1) the tokens were drawn with, (R, gamma) float32;
+            otherwise ``None``.
     """
 
     tokens: torch.LongTensor
     logits: torch.Tensor
     confidences: torch.Tensor | None
+    uniforms: torch.Tensor | None = None
+
+
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def _may_use_cuda_op(backend: str, base_logits: torch.Tensor) -> bool:
+    """Whether to ask :mod:`dspark_hf.cuda_ops` at all (CPU calls never import it)."""
+    return backend == "cuda" or (backend == "auto" and base_logits.is_cuda)
+
+
+def inverse_cdf_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.LongTensor:
+    """Draws from ``softmax(logits)`` (R, V) at ``uniforms`` (R,) in [0, 1): the smallest v with
+    ``sum_{i <= v} p_i > u`` (computed in float64). The CUDA op samples by the same rule."""
+    cdf = torch.softmax(logits.double(), dim=-1).cumsum(dim=-1)
+    target = uniforms.to(device=logits.device, dtype=torch.float64).reshape(-1, 1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return tokens.clamp_(max=logits.shape[-1] - 1)
 
 
 def serial_sample(
@@ -49,6 +71,8 @@ def serial_sample(
     logits_processor: LogitsProcessorList | None = None,
     prefix_ids: torch.LongTensor | None = None,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> SerialSample:
     """Draws one block of draft tokens left to right.
 
@@ -63,12 +87,35 @@ def serial_sample(
             exactly as the target applies them when verifying.
         prefix_ids: the sequence so far, ending with the anchor, (R, L); needed with processors.
         generator: optional torch generator for sampling.
+        uniforms: optional (R, gamma) numbers in [0, 1) to sample with: token k of row r becomes the
+            inverse CDF of its distribution at ``uniforms[r, k]`` (:func:`inverse_cdf_sample`) instead
+            of a ``torch.multinomial`` draw. The CUDA op always samples this way (drawing the
+            uniforms with ``torch.rand`` when none are given, and returning them), so both paths fed
+            the same uniforms give the same tokens, up to float rounding at a CDF boundary. Ignored
+            when greedy.
+        backend: ``"auto"`` (default) uses the compiled CUDA op for CUDA tensors when it supports the
+            call (:func:`dspark_hf.cuda_ops.unsupported_reason`) and this PyTorch loop otherwise;
+            ``"reference"`` always the loop; ``"cuda"`` always the op (``ValueError`` naming the
+            reason when it cannot run the call, ``CudaOpUnavailable`` when it cannot be built).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"serial_sample backend must be one of {BACKENDS}, got {backend!r}.")
     batch, gamma, _ = base_logits.shape
     markov, confidence = draft.markov_head, draft.confidence_head
     use_processors = logits_processor is not None and len(logits_processor) > 0
     if use_processors and prefix_ids is None:
         raise ValueError("serial_sample needs prefix_ids when logits processors are given.")
+    if not do_sample:
+        uniforms = None
+    elif uniforms is not None and tuple(uniforms.shape) != (batch, gamma):
+        raise ValueError(f"uniforms must have shape (R, gamma) = {(batch, gamma)}, got {tuple(uniforms.shape)}.")
+    if _may_use_cuda_op(backend, base_logits):
+        from .cuda_ops import dispatch
+
+        result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
+                          logits_processor=logits_processor, generator=generator, uniforms=uniforms, backend=backend)
+        if result is not None:
+            return result
 
     tokens = torch.empty(batch, gamma, dtype=torch.long, device=base_logits.device)
     logits = base_logits.float()  # a fresh float32 copy when the backbone runs in half precision
@@ -86,7 +133,9 @@ def serial_sample(
             logits[:, k] += bias.float()
         if use_processors:
             logits[:, k] = logits_processor(sequence[:, : prefix_len + k], logits[:, k])
-        if do_sample:
+        if do_sample and uniforms is not None:
+            prev = inverse_cdf_sample(logits[:, k], uniforms[:, k])
+        elif do_sample:
             probs = torch.softmax(logits[:, k], dim=-1)
             prev = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
         else:
@@ -104,7 +153,8 @@ def serial_sample(
         if temperatures is not None:
             conf_logits = conf_logits / torch.tensor(temperatures, device=conf_logits.device)[:gamma]
         confidences = torch.sigmoid(conf_logits)
-    return SerialSample(tokens=tokens, logits=logits, confidences=confidences)
+    return SerialSample(tokens=tokens, logits=logits, confidences=confidences,
+                        uniforms=uniforms.to(device=tokens.device, dtype=torch.float32) if uniforms is not None else None)
 
 
-__all__ = ["SerialSample", "serial_sample"]
+__all__ = ["BACKENDS", "SerialSample", "inverse_cdf_sample", "serial_sample"]

@@ -1,0 +1,394 @@
+"""The compiled CUDA serial-sampling op, and when :func:`~dspark_hf.sampling.serial_sample` uses it.
+
+On a GPU, the reference loop in :mod:`dspark_hf.sampling` costs gamma rounds of several small kernel
+launches from Python (row lookup, the V x r bias product, add, softmax, sampling). The operator
+``torch.ops.dspark_hf.serial_sample`` does the whole block in one call: for every position it fuses
+the previous token's ``W1`` row, the gated head's gate, the ``W2`` projection, the add to ``U_k``,
+the temperature, argmax or inverse-CDF sampling and the confidence head (see
+``dspark_hf/csrc/serial_sample.h`` for the kernels). It is registered with ``torch.library`` (schema
+and fake implementation here, CUDA kernel in C++), so it traces under ``torch.compile`` and can be
+captured in CUDA graphs (no host synchronisation, no host-side randomness).
+
+Build: the C++/CUDA sources in ``dspark_hf/csrc`` are compiled with
+``torch.utils.cpp_extension.load`` on first use (about a minute, for the visible GPU's architecture
+or ``TORCH_CUDA_ARCH_LIST``) and cached under ``$DSPARK_HF_EXTENSION_DIR``, else
+``$DSPARK_HF_CACHE/torch_extensions``, else ``~/.cache/dspark_hf/torch_extensions``, in a folder per
+torch/CUDA/Python version. It needs a CUDA build of PyTorch, a visible GPU, ``nvcc`` (``CUDA_HOME``),
+a C++ compiler and ninja; otherwise :func:`load_extension` raises :class:`CudaOpUnavailable`
+saying which is missing.
+
+Randomness: the op draws token k of row r as the inverse CDF of ``softmax(logits)`` at
+``uniforms[r, k]``. The uniforms are an input: :func:`serial_sample_cuda` makes them with
+``torch.rand(..., generator=generator)`` when the caller gives none, and returns them, so the
+reference path can be fed the same numbers (``serial_sample(..., uniforms=...)``).
+
+Supported (else the reference path runs, or ``backend="cuda"`` raises ``ValueError`` with the reason):
+CUDA tensors; greedy, or sampling whose only logits processor is one ``TemperatureLogitsWarper``;
+no Markov head, or the ``vanilla`` or ``gated`` head; any confidence head; one floating dtype
+(float32, bfloat16 or float16) for logits, hidden states and head weights; no gradient recording.
+The ``rnn`` head stays on the reference path: its GRU-like state adds a second serial recurrence
+(a (2r + d) x 3r projection and three nonlinearities per position, each rounded like the reference
+to match it), a different kernel from the low-rank bias, for a variant the paper does not deploy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
+from transformers.utils import logging
+
+from .sampling import SerialSample
+
+logger = logging.get_logger(__name__)
+
+OP_QUALNAME = "dspark_hf::serial_sample"
+OP_SCHEMA = (
+    "serial_sample(Tensor base_logits, Tensor hidden_states, Tensor anchor_ids, Tensor? markov_w1, "
+    "Tensor? markov_w2, Tensor? gate_weight, Tensor? gate_bias, Tensor? confidence_weight, "
+    "Tensor? confidence_bias, Tensor? confidence_temperatures, Tensor? uniforms, float temperature=1.0, "
+    "int fused_max_rows=4) -> (Tensor tokens, Tensor logits, Tensor confidences)"
+)
+# Batches up to this many rows use the fused W2 pass; larger ones a cuBLAS GEMM for the bias (the
+# kernels cap the fused pass at 4 rows: dspark_hf/csrc/serial_sample.h, kFusedMaxRows).
+FUSED_MAX_ROWS = 4
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_HEADS = ("vanilla", "gated")
+MAX_RANK = 4096
+
+EXTENSION_NAME = "dspark_hf_serial_sample"
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("serial_sample_op.cpp", "serial_sample_kernels.cu")
+HEADERS = ("serial_sample.h",)
+
+
+class CudaOpUnavailable(RuntimeError):
+    """The CUDA op cannot be built or loaded here (no CUDA build of torch, no GPU, no nvcc, ...)."""
+
+
+# ----------------------------------------------------------------------------- operator schema
+def _define_operator() -> torch.library.Library | None:
+    """Defines the schema and the fake (meta) implementation once per process."""
+    try:
+        torch.ops.dspark_hf.serial_sample  # noqa: B018 - already defined (module reloaded)
+        return None
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("dspark_hf", "FRAGMENT")
+    lib.define(OP_SCHEMA)
+
+    def fake(base_logits, hidden_states, anchor_ids, markov_w1, markov_w2, gate_weight, gate_bias,
+             confidence_weight, confidence_bias, confidence_temperatures, uniforms, temperature=1.0,
+             fused_max_rows=FUSED_MAX_ROWS):
+        rows, gamma, vocab = base_logits.shape
+        tokens = base_logits.new_empty((rows, gamma), dtype=torch.long)
+        logits = base_logits.new_empty((rows, gamma, vocab), dtype=torch.float32)
+        shape = (rows, gamma) if confidence_weight is not None else (0,)
+        return tokens, logits, base_logits.new_empty(shape, dtype=torch.float32)
+
+    torch.library.register_fake(OP_QUALNAME, fake, lib=lib)
+    return lib
+
+
+_LIBRARY = _define_operator()  # kept alive: the registrations last as long as this object
+
+
+# ----------------------------------------------------------------------------- building
+_state: dict = {"loaded": False, "error": None}
+_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def extension_dir() -> Path:
+    """Where the compiled extension is cached (one folder per torch / CUDA / Python version)."""
+    explicit = os.environ.get("DSPARK_HF_EXTENSION_DIR")
+    if explicit:
+        root = Path(explicit)
+    else:
+        cache = os.environ.get("DSPARK_HF_CACHE")
+        root = (Path(cache) if cache else Path.home() / ".cache" / "dspark_hf") / "torch_extensions"
+    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return root.expanduser() / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+
+
+def build_problem() -> str | None:
+    """Why the op cannot be built here, or None when everything it needs is present."""
+    if getattr(torch.version, "hip", None):
+        return f"this PyTorch is a ROCm build (HIP {torch.version.hip}); the op is CUDA-only"
+    if torch.version.cuda is None:
+        return (f"PyTorch {torch.__version__} was built without CUDA; the op needs a CUDA build of PyTorch "
+                "and an NVIDIA GPU")
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    from torch.utils import cpp_extension
+
+    cuda_home = cpp_extension.CUDA_HOME
+    nvcc = Path(cuda_home, "bin", "nvcc") if cuda_home else None
+    if nvcc is None or not nvcc.exists():
+        return (f"no CUDA compiler: nvcc was not found (CUDA_HOME={cuda_home!r}); install the CUDA toolkit "
+                f"matching torch.version.cuda={torch.version.cuda} and set CUDA_HOME to its folder")
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja); torch.utils.cpp_extension needs it to build the op"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)"
+    return None
+
+
+def load_extension(verbose: bool = False) -> None:
+    """Builds (first use) and loads the CUDA op; raises :class:`CudaOpUnavailable` with the reason.
+
+    A failure is remembered for the process, so ``backend="auto"`` does not retry a broken build
+    on every call.
+    """
+    with _lock:
+        if _state["loaded"]:
+            return
+        if _state["error"] is not None:
+            raise CudaOpUnavailable(_state["error"])
+        problem = build_problem()
+        if problem is not None:
+            _state["error"] = f"The dspark_hf CUDA serial-sampling op is unavailable: {problem}."
+            raise CudaOpUnavailable(_state["error"])
+        from torch.utils import cpp_extension
+
+        build_dir = extension_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob(f"{EXTENSION_NAME}*.so")):
+            logger.warning(
+                f"dspark_hf: compiling the CUDA serial-sampling op (first use only, about a minute) in {build_dir} ..."
+            )
+        start = time.perf_counter()
+        try:
+            cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(CSRC_DIR / s) for s in SOURCES],
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3", "-lineinfo"],
+                extra_include_paths=[str(CSRC_DIR)],
+                build_directory=str(build_dir),
+                verbose=verbose,
+                is_python_module=False,
+            )
+        except Exception as err:  # compiler errors, missing headers, load failures
+            _state["error"] = (
+                f"Building the dspark_hf CUDA serial-sampling op failed ({type(err).__name__}: {err}). "
+                f"Build files are in {build_dir}; rerun dspark_hf.cuda_ops.load_extension(verbose=True) to see the "
+                "compiler output, or use serial_sample(..., backend='reference')."
+            )
+            raise CudaOpUnavailable(_state["error"]) from err
+        _state["loaded"] = True
+        logger.info(f"dspark_hf: CUDA serial-sampling op ready ({time.perf_counter() - start:.1f} s).")
+
+
+def is_loaded() -> bool:
+    return bool(_state["loaded"])
+
+
+# ----------------------------------------------------------------------------- dispatch
+def _on_cuda(tensor: torch.Tensor) -> bool:
+    """Device test used by :func:`unsupported_reason` (a seam for the CPU dispatch tests)."""
+    return tensor.is_cuda
+
+
+def processor_temperature(logits_processor: LogitsProcessorList | None) -> float | None:
+    """The temperature of a processor list the op can apply: 1.0 for none, T for one
+    ``TemperatureLogitsWarper``; None when the list holds anything else."""
+    processors = list(logits_processor or [])
+    if not processors:
+        return 1.0
+    if len(processors) == 1 and type(processors[0]) is TemperatureLogitsWarper:
+        return float(processors[0].temperature)
+    return None
+
+
+def unsupported_reason(
+    draft,
+    base_logits: torch.Tensor,
+    hidden_states: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    logits_processor: LogitsProcessorList | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> str | None:
+    """Why the CUDA op cannot run this call (a sentence), or None when it can. Builds nothing.
+    (``anchor_ids`` and ``uniforms`` may sit on another device: they are moved, as the reference does.)"""
+    markov, confidence = draft.markov_head, draft.confidence_head
+    if not _on_cuda(base_logits):
+        return f"base_logits are on {base_logits.device}; the op runs on CUDA tensors only"
+    if processor_temperature(logits_processor) is None:
+        names = ", ".join(type(p).__name__ for p in logits_processor)
+        return (f"the logits processors ({names}) go beyond one temperature warper; the op applies only a "
+                "temperature (top-k/top-p, penalties and other processors run on the reference path)")
+    if markov is not None and markov.head_type not in SUPPORTED_HEADS:
+        return (f"the {markov.head_type!r} Markov head runs on the reference path (its recurrent state is not "
+                "part of the op; supported heads: vanilla, gated, none)")
+    if base_logits.dim() != 3 or hidden_states.dim() != 3 or base_logits.shape[:2] != hidden_states.shape[:2]:
+        return (f"base_logits {tuple(base_logits.shape)} and hidden_states {tuple(hidden_states.shape)} must be "
+                "(rows, gamma, vocab) and (rows, gamma, hidden)")
+    if base_logits.dtype not in SUPPORTED_DTYPES:
+        return f"base_logits have dtype {base_logits.dtype}; the op supports float32, bfloat16 and float16"
+    tensors = {"hidden_states": hidden_states}
+    for name, module in (("markov_head", markov), ("confidence_head", confidence)):
+        if module is not None:
+            tensors.update({f"{name}.{key}": value for key, value in module.named_parameters()})
+    for name, tensor in tensors.items():
+        if tensor.dtype != base_logits.dtype:
+            return (f"{name} has dtype {tensor.dtype} but base_logits {base_logits.dtype}; the op needs one dtype "
+                    "for logits, hidden states and head weights")
+        if tensor.device != base_logits.device:
+            return f"{name} is on {tensor.device} but base_logits on {base_logits.device}"
+    if markov is not None and markov.markov_w1.weight.shape[0] != base_logits.shape[-1]:
+        return f"the Markov head's vocabulary {markov.markov_w1.weight.shape[0]} differs from the logits' {base_logits.shape[-1]}"
+    if markov is not None and markov.rank > MAX_RANK:
+        return f"Markov rank {markov.rank} exceeds the op's limit {MAX_RANK}"
+    if base_logits.shape[0] > 65535:
+        return f"{base_logits.shape[0]} rows exceed the op's limit of 65535"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [base_logits, *tensors.values()]):
+        return ("gradients are being recorded and the op has no backward; call it under torch.no_grad() or "
+                "torch.inference_mode()")
+    return None
+
+
+def _confidence_temperatures(draft, device) -> torch.Tensor | None:
+    """The config's calibration temperatures as a cached fp32 device tensor (no copy per call, so
+    calls can be captured in a CUDA graph once the cache is warm)."""
+    temperatures = draft.config.confidence_temperatures
+    if temperatures is None:
+        return None
+    key = (tuple(float(t) for t in temperatures), str(device))
+    cache = getattr(draft, "_dspark_temperature_cache", None)
+    if cache is None or cache[0] != key:
+        cache = (key, torch.tensor(key[0], dtype=torch.float32, device=device))
+        try:
+            draft._dspark_temperature_cache = cache
+        except AttributeError:  # a draft that refuses attributes: build it each call
+            pass
+    return cache[1]
+
+
+def serial_sample_cuda(
+    draft,
+    base_logits: torch.Tensor,
+    hidden_states: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    do_sample: bool,
+    temperature: float = 1.0,
+    uniforms: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    fused_max_rows: int | None = None,
+) -> SerialSample:
+    """Runs the CUDA op on one block (no support checks: see :func:`unsupported_reason`).
+
+    Args mirror :func:`~dspark_hf.sampling.serial_sample`; ``temperature`` replaces the processor
+    list. With ``do_sample`` and no ``uniforms``, they are drawn with ``torch.rand`` from
+    ``generator`` (or the default CUDA generator) and returned in the result. ``fused_max_rows``
+    (default :data:`FUSED_MAX_ROWS`) picks the fused W2 pass for batches up to that size; 0 forces
+    the cuBLAS bias path.
+    """
+    load_extension()
+    rows, gamma, _ = base_logits.shape
+    device = base_logits.device
+    markov, confidence = draft.markov_head, draft.confidence_head
+    if do_sample:
+        if uniforms is None:
+            uniforms = torch.rand((rows, gamma), device=device, dtype=torch.float32, generator=generator)
+        else:
+            uniforms = uniforms.to(device=device, dtype=torch.float32)
+    else:
+        uniforms = None
+    gated = markov is not None and markov.head_type == "gated"
+    tokens, logits, confidences = torch.ops.dspark_hf.serial_sample(
+        base_logits,
+        hidden_states,
+        anchor_ids.reshape(rows).to(device=device, dtype=torch.long),
+        markov.markov_w1.weight if markov is not None else None,
+        markov.markov_w2.weight if markov is not None else None,
+        markov.gate_proj.weight if gated else None,
+        markov.gate_proj.bias if gated else None,
+        confidence.proj.weight if confidence is not None else None,
+        confidence.proj.bias if confidence is not None else None,
+        _confidence_temperatures(draft, device) if confidence is not None else None,
+        uniforms,
+        float(temperature),
+        FUSED_MAX_ROWS if fused_max_rows is None else int(fused_max_rows),
+    )
+    return SerialSample(
+        tokens=tokens, logits=logits, confidences=confidences if confidence is not None else None, uniforms=uniforms
+    )
+
+
+def dispatch(
+    draft,
+    base_logits: torch.Tensor,
+    hidden_states: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    do_sample: bool,
+    logits_processor: LogitsProcessorList | None,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None,
+    backend: str,
+) -> SerialSample | None:
+    """The op's result for :func:`~dspark_hf.sampling.serial_sample`, or None to run the reference.
+
+    ``backend="auto"``: the op when :func:`unsupported_reason` finds nothing and the extension
+    builds (a build failure warns once and falls back); ``DSPARK_HF_CUDA_OP=0`` in the environment
+    turns this off. ``backend="cuda"``: the op or an error, ``ValueError`` for an unsupported call,
+    :class:`CudaOpUnavailable` (a ``RuntimeError``) when the op cannot be built here.
+    """
+    if backend == "reference":
+        return None
+    forced = backend == "cuda"
+    if not forced and os.environ.get("DSPARK_HF_CUDA_OP", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    reason = unsupported_reason(
+        draft, base_logits, hidden_states, anchor_ids, logits_processor=logits_processor, uniforms=uniforms
+    )
+    if reason is not None:
+        if forced:
+            raise ValueError(f"serial_sample(backend='cuda') cannot use the CUDA op: {reason}.")
+        return None
+    try:
+        load_extension()
+    except CudaOpUnavailable as err:
+        if forced:
+            raise
+        message = str(err)
+        if message not in _warned:
+            _warned.add(message)
+            logger.warning(f"{message} Falling back to the PyTorch serial-sampling loop.")
+        return None
+    return serial_sample_cuda(
+        draft,
+        base_logits,
+        hidden_states,
+        anchor_ids,
+        do_sample=do_sample,
+        temperature=processor_temperature(logits_processor),
+        uniforms=uniforms,
+        generator=generator,
+    )
+
+
+__all__ = [
+    "CudaOpUnavailable",
+    "FUSED_MAX_ROWS",
+    "OP_QUALNAME",
+    "build_problem",
+    "dispatch",
+    "extension_dir",
+    "is_loaded",
+    "load_extension",
+    "processor_temperature",
+    "serial_sample_cuda",
+    "unsupported_reason",
+]
