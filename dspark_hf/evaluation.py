@@ -106,16 +106,16 @@ def main(argv: list[str] | None = None) -> None:
                "settings": vars(args), "results": {}}
     for draft_path in args.drafts:
         draft = DSparkDraftModel.from_pretrained(draft_path).float().eval()
-        for dataset in args.datasets:
-            prompts = load_eval_prompts(dataset, args.num_prompts)
-            for mode in args.modes:
+        for mode in args.modes:  # greedy over every dataset first: partial runs still compare datasets
+            for dataset in args.datasets:
+                prompts = load_eval_prompts(dataset, args.num_prompts)
                 key = f"{Path(draft_path).name}/{dataset}/{mode}"
                 results["results"][key] = measure_acceptance(
                     target, tokenizer, draft, prompts, do_sample=mode == "sample",
                     max_new_tokens=args.max_new_tokens, desc=key)
                 r = results["results"][key]
-                print(f"{key}: tau={r['tau']:.2f} per-position={[round(x, 2) if x is not None else None for x in r['per_position_acceptance']]}",
-                      flush=True)
+                per_position = [round(x, 2) if x is not None else None for x in r["per_position_acceptance"]]
+                print(f"{key}: tau={r['tau']:.2f} per-position={per_position}", flush=True)
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps(results, indent=2))
 
