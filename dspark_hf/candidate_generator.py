@@ -173,6 +173,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.policy = resolve_verify_policy(draft, target)
         self.cache = draft.new_cache()
         self.device = draft.fc.weight.device
+        # The block input [x0, MASK * (gamma - 1)] and its position offsets, reused every round.
+        self.block_ids = torch.full((1, self.block_size), draft.config.mask_token_id, dtype=torch.long,
+                                    device=self.device)
+        self.block_offsets = torch.arange(self.block_size, device=self.device)
         self.stats = DSparkGenerationStats(block_size=self.block_size)
         draft.generation_stats = self.stats
         self._pending: dict[str, float] | None = None
@@ -231,10 +235,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
         t0 = time.perf_counter()
         anchor = input_ids[:, -1]
-        block_ids = torch.full((1, self.block_size), self.draft.config.mask_token_id, dtype=torch.long, device=self.device)
-        block_ids[:, 0] = anchor.to(self.device)
-        block_positions = self._next_position + torch.arange(self.block_size, device=self.device)
-        out = self.draft(block_ids, block_positions, self.cache)
+        self.block_ids[:, 0] = anchor.to(self.device)
+        out = self.draft(self.block_ids, self._next_position + self.block_offsets, self.cache)
         t1 = time.perf_counter()
         sample = serial_sample(
             self.draft,

@@ -46,6 +46,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
 from .sampling import SerialSample
+from .scheduler import default_cache_dir
 
 logger = logging.get_logger(__name__)
 
@@ -112,8 +113,7 @@ def extension_dir() -> Path:
     if explicit:
         root = Path(explicit)
     else:
-        cache = os.environ.get("DSPARK_HF_CACHE")
-        root = (Path(cache) if cache else Path.home() / ".cache" / "dspark_hf") / "torch_extensions"
+        root = default_cache_dir() / "torch_extensions"
     tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
     return root.expanduser() / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
 

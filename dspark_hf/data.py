@@ -65,9 +65,9 @@ def sharegpt_prompts(limit: int | None = None, seed: int = 0, min_chars: int = 1
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of a one-turn chat with the generation prompt appended."""
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
-    return list(ids)
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=True)
+    return list(encoded["input_ids"])
 
 
 @torch.no_grad()

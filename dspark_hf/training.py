@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .modeling_dspark import DSparkDraftModel
+from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 
 logger = logging.get_logger(__name__)
 
@@ -315,7 +315,7 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
     log = (output_dir / "train_log.jsonl").open("a")
     draft.train()
     bar = tqdm(range(start_step, cfg.max_steps), desc="Training draft", disable=not accelerator.is_main_process)
-    running: dict[str, float] = {}
+    window: list[dict[str, torch.Tensor]] = []  # per-step metrics since the last log line
     for step in bar:
         picks = torch.randint(len(items), (cfg.sequences_per_step,), generator=generator).tolist()
         losses, parts = [], []
@@ -336,22 +336,17 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        for key in ("ce", "tv", "bce"):
-            running[key] = running.get(key, 0.0) + float(torch.stack([p[key] for p in parts]).mean())
-        running["loss"] = running.get("loss", 0.0) + float(loss.detach())
-        accuracy = torch.stack([p["accuracy"] for p in parts]).mean(0)
-        running_acc = running.setdefault("_acc", torch.zeros_like(accuracy))
-        running["_acc"] = running_acc + accuracy
-        running["_n"] = running.get("_n", 0) + 1
+        window.append({key: torch.stack([p[key] for p in parts]).mean(0) for key in ("ce", "tv", "bce", "accuracy")}
+                      | {"loss": loss.detach()})
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
-            n = running.pop("_n")
-            acc = (running.pop("_acc") / n).tolist()
+            means = {key: torch.stack([w[key] for w in window]).mean(0) for key in window[0]}
+            acc = means.pop("accuracy").tolist()
             record = {"step": step + 1, "lr": scheduler.get_last_lr()[0], "time": time.time(),
-                      **{k: v / n for k, v in running.items()}, "accuracy_per_position": acc}
+                      **{k: float(v) for k, v in means.items()}, "accuracy_per_position": acc}
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{acc[0]:.2f}")
-            running = {}
+            window = []
         if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
             accelerator.save_state(str(checkpoint))
             (checkpoint / "step.json").write_text(json.dumps({"step": step + 1}))
@@ -368,16 +363,15 @@ def collect_confidences(draft: DSparkDraftModel, target_head, items: list[dict],
     """Teacher-forced held-out statistics: (confidence logits, acceptance 1 - TV/2, argmax match), each (N, gamma)."""
     generator = torch.Generator().manual_seed(seed)
     conf, accept, match = [], [], []
-    cfg = TrainingConfig(block_size=draft.config.block_size)
+    gamma = draft.config.block_size
     for item in items:
-        anchors = sample_anchors(item["ids"].numel(), item["answer_start"], anchors_per_sequence,
-                                 draft.config.block_size, generator)
+        anchors = sample_anchors(item["ids"].numel(), item["answer_start"], anchors_per_sequence, gamma, generator)
         if anchors.numel() == 0:
             continue
         base, hidden, previous, labels = draft_block_outputs(draft, item, anchors)
         logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
         final = item["final"].to(hidden.device, torch.float32)
-        positions = anchors[:, None] + torch.arange(cfg.block_size) + 1
+        positions = anchors[:, None] + torch.arange(gamma) + 1
         p_target = torch.softmax(target_head(final[positions - 1]).float(), -1)
         p_draft = torch.softmax(logits.float(), -1)
         accept.append(1 - 0.5 * (p_draft - p_target).abs().sum(-1))
@@ -391,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: data (ShareGPT prompts answered by SmolLM2) -> target features -> training -> STS -> save."""
     from .calibration import calibrate_draft
     from .data import generate_answers, load_corpus, sharegpt_prompts
-    from .smollm2 import cache_root, load_smollm2, mask_token_id
+    from .scheduler import default_cache_dir
+    from .smollm2 import load_smollm2, mask_token_id
 
     parser = argparse.ArgumentParser(prog="python -m dspark_hf.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -413,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--output is required unless --prepare-only")
 
     target, tokenizer = load_smollm2()
-    corpus = Path(args.corpus) if args.corpus else cache_root() / "data" / "sharegpt_smollm2.jsonl"
+    corpus = Path(args.corpus) if args.corpus else default_cache_dir() / "data" / "sharegpt_smollm2.jsonl"
     prompts = sharegpt_prompts(limit=args.num_prompts)
     generate_answers(target, tokenizer, prompts, corpus, max_new_tokens=args.max_new_tokens, batch_size=32)
     records = sorted((r for r in load_corpus(corpus) if r["index"] < args.num_prompts), key=lambda r: r["index"])
@@ -421,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
                          confidence_head=not args.no_confidence_head,
                          confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
                          mask_token_id=mask_token_id(tokenizer))
-    cfg.target_layer_ids = make_draft(target, cfg).config.target_layer_ids
+    cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
     feature_path = corpus.with_name(f"{corpus.stem}.n{args.num_prompts}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
     items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len)
     if args.prepare_only:

@@ -99,13 +99,19 @@ def test_deepspec_layout_loads_strictly_and_generates(tmp_path, head_type, with_
     _generate_matches(draft)
 
 
-def test_dflash_checkpoint_markov_rank_zero(tmp_path):
+def write_deepspec_dflash_folder(folder):
+    """A DeepSpec DFlash draft: markov_rank 0 and no confidence head."""
     sd = deepspec_state_dict(markov_rank=0, with_markov_conf=False)
     del sd["confidence_head.proj.weight"], sd["confidence_head.proj.bias"]
-    write_deepspec_folder(tmp_path, markov_rank=0, with_markov_conf=False, state_dict=sd)
-    config = json.loads((tmp_path / "config.json").read_text())
+    write_deepspec_folder(folder, markov_rank=0, with_markov_conf=False, state_dict=sd)
+    config = json.loads((folder / "config.json").read_text())
     config["enable_confidence_head"] = False
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config))
+    return sd
+
+
+def test_dflash_checkpoint_markov_rank_zero(tmp_path):
+    write_deepspec_dflash_folder(tmp_path)
     draft = DSparkDraftModel.from_pretrained(tmp_path)
     assert draft.markov_head is None and draft.confidence_head is None
     _generate_matches(draft)

@@ -50,6 +50,7 @@ from test_checkpoints import (
     TARGET_LAYERS,
     V,
     deepspec_state_dict,
+    write_deepspec_dflash_folder,
     write_deepspec_folder,
 )
 from tiny_models import random_target
@@ -284,19 +285,10 @@ def _zlab_folder(folder: Path, *, nested_block_size=False, block_size=BLOCK + 1,
     return {"state": state, "config": config}
 
 
-def _deepspec_dflash_folder(folder: Path):
-    state = deepspec_state_dict(markov_rank=0, with_markov_conf=False)
-    del state["confidence_head.proj.weight"], state["confidence_head.proj.bias"]
-    write_deepspec_folder(folder, markov_rank=0, with_markov_conf=False, state_dict=state)
-    config = json.loads((folder / "config.json").read_text())
-    config["enable_confidence_head"] = False
-    (folder / "config.json").write_text(json.dumps(config))
-
-
 def test_hub_cache_deepspec_and_zlab_repos_load_offline(tmp_path):
     cache = tmp_path / "hf_home" / "hub"
     write_deepspec_folder(tmp_path / "deepspec", head_type="gated")
-    _deepspec_dflash_folder(tmp_path / "deepspec_dflash")
+    write_deepspec_dflash_folder(tmp_path / "deepspec_dflash")
     _zlab_folder(tmp_path / "zlab", nested_block_size=True)
     target = _target()
     target.save_pretrained(tmp_path / "target")
