@@ -6,9 +6,10 @@ returned logits), crops the target cache, and calls :meth:`update_candidate_stra
 number of accepted tokens. One round here:
 
 1. ingest the target hidden states of tokens accepted since the last call into the draft's context;
-2. one draft forward over ``[x0, MASK * (gamma - 1)]``;
-3. serial sampling (Markov bias, logits processors) and confidences;
-4. the verify policy picks how many tokens to send (0 included);
+2. ask the drafting gate whether drafting has paid in recent rounds (if not: a plain target step);
+3. one draft forward over ``[x0, MASK * (gamma - 1)]``;
+4. serial sampling (Markov bias, logits processors) interleaved with the verify policy, which
+   sees ``c_k`` before ``x_k`` is drawn and ends the block at its first refusal (0 tokens allowed);
 5. return ``input_ids + x_1..x_keep`` and the logits those tokens were drawn from.
 
 The first call returns no candidates so that transformers' prefill yields the prompt's hidden states.
@@ -16,6 +17,7 @@ The first call returns no candidates so that transformers' prefill yields the pr
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,14 +29,19 @@ from transformers.utils import logging
 
 from .modeling_dspark import DSparkDraftModel
 from .sampling import serial_sample
-from .scheduler import FixedLengthPolicy, PrefixScheduler, profile_sps
+from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, VerifyPolicy, profile_sps
 
 logger = logging.get_logger(__name__)
 
 
 @dataclass
 class RoundStats:
-    """One round: how many draft tokens were verified and accepted, and where the time went (seconds)."""
+    """One round: how many draft tokens were verified and accepted, and where the time went (seconds).
+
+    ``drafted`` is False for rounds the drafting gate turned into plain target steps. The serial
+    loop and the policy are interleaved, so ``serial_time`` includes the policy's decisions;
+    ``schedule_time`` is what remains around them (EOS truncation, the gate).
+    """
 
     verified: int
     accepted: int
@@ -42,6 +49,7 @@ class RoundStats:
     serial_time: float
     schedule_time: float
     verify_time: float
+    drafted: bool = True
 
 
 @dataclass
@@ -54,6 +62,7 @@ class DSparkGenerationStats:
 
     block_size: int
     rounds: list[RoundStats] = field(default_factory=list)
+    prefill_time: float = 0.0  # the target's prompt forward (before the first round)
 
     @property
     def num_rounds(self) -> int:
@@ -71,6 +80,11 @@ class DSparkGenerationStats:
     def mean_accepted_length(self) -> float:
         """tau: tokens produced per target forward, bonus token included."""
         return (self.accepted_tokens + self.num_rounds) / max(self.num_rounds, 1)
+
+    @property
+    def drafted_fraction(self) -> float:
+        """Share of rounds that ran the draft (the rest were skipped by the drafting gate)."""
+        return sum(r.drafted for r in self.rounds) / max(self.num_rounds, 1)
 
     @property
     def verify_efficiency(self) -> float:
@@ -108,6 +122,20 @@ class DSparkGenerationStats:
             "scheduler": sum(r.schedule_time for r in self.rounds),
             "target_verify": sum(r.verify_time for r in self.rounds),
         }
+
+
+def resolve_drafting_gate(draft: DSparkDraftModel, policy: VerifyPolicy) -> DraftingGate | None:
+    """A fresh gate for this call from ``draft.adaptive_drafting``: None (default) turns it on for
+    the confidence-driven policies (scheduler, threshold) and off for fixed lengths; True/False
+    force it; a :class:`DraftingGate` instance is copied (its settings, fresh history)."""
+    choice = getattr(draft, "adaptive_drafting", None)
+    if isinstance(choice, DraftingGate):
+        return copy.deepcopy(choice)
+    if choice is None:
+        choice = bool(getattr(policy, "requires_confidences", False))
+    elif not isinstance(choice, bool):
+        raise ValueError(f"draft.adaptive_drafting must be None, True, False or a DraftingGate, got {choice!r}.")
+    return DraftingGate() if choice else None
 
 
 def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel):
@@ -171,6 +199,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
         self.model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True if wants_all else self.layer_indices}
         self.policy = resolve_verify_policy(draft, target)
+        self.gate = resolve_drafting_gate(draft, self.policy)
         self.cache = draft.new_cache()
         self.device = draft.fc.weight.device
         # The block input [x0, MASK * (gamma - 1)] and its position offsets, reused every round.
@@ -181,6 +210,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         draft.generation_stats = self.stats
         self._pending: dict[str, float] | None = None
         self._prompt_has_padding = False
+        self._round_start = 0.0
+        self._prefill_start: float | None = None
 
     @torch.no_grad()
     def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
@@ -224,13 +255,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Drafts, schedules and returns ``(input_ids + candidates, candidate logits)`` or ``(input_ids, None)``."""
+        self._round_start = time.perf_counter()
         self._pending = None
         if is_first_iteration:
+            self._prefill_start = self._round_start
             return input_ids, None
+        if self._prefill_start is not None:
+            self.stats.prefill_time = self._round_start - self._prefill_start
+            self._prefill_start = None
         self._ingest_context(input_ids, model_kwargs or {}, model_outputs)
         budget = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
-        if budget <= 0:  # the target still runs one forward for the last token: a round with nothing verified
-            self._pending = {"verified": 0, "draft": 0.0, "serial": 0.0, "schedule": 0.0, "end": time.perf_counter()}
+        drafting = budget > 0 and (self.gate is None or self.gate.should_draft())
+        if not drafting:  # the target still runs one forward: a plain step
+            self._pending = {"verified": 0, "drafted": False, "draft": 0.0, "serial": 0.0,
+                             "schedule": 0.0, "end": time.perf_counter()}
             return input_ids, None
 
         t0 = time.perf_counter()
@@ -238,6 +276,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.block_ids[:, 0] = anchor.to(self.device)
         out = self.draft(self.block_ids, self._next_position + self.block_offsets, self.cache)
         t1 = time.perf_counter()
+        incremental = type(self.policy).start_round is not VerifyPolicy.start_round
         sample = serial_sample(
             self.draft,
             out.logits,
@@ -246,10 +285,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
             do_sample=self.do_sample,
             logits_processor=self.logits_processor,
             prefix_ids=input_ids,
+            admission=self.policy.start_round() if incremental else None,
+            max_positions=budget,
         )
-        confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
         t2 = time.perf_counter()
-        keep = self.policy.admit(confidences)
+        if incremental:
+            keep = sample.num_admitted
+        else:  # a user policy with only admit(): decide on the whole block
+            confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
+            keep = self.policy.admit(confidences)
         if keep > 0 and self.eos_token_ids is not None:
             # Tokens after a drafted EOS can never be emitted; stopping at it depends only on
             # earlier tokens for every later position, so admission stays non-anticipating.
@@ -257,7 +301,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             if bool(is_eos.any()):
                 keep = int(is_eos.int().argmax()) + 1
         t3 = time.perf_counter()
-        self._pending = {"verified": keep, "draft": t1 - t0, "serial": t2 - t1, "schedule": t3 - t2, "end": t3}
+        self._pending = {"verified": keep, "drafted": True, "draft": t1 - t0, "serial": t2 - t1,
+                         "schedule": t3 - t2, "end": t3}
         if keep == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, sample.tokens[:, :keep].to(input_ids.device)], dim=1)
@@ -268,17 +313,26 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._pending is None:
             return
         p = self._pending
-        self.stats.rounds.append(
-            RoundStats(
-                verified=p["verified"],
-                accepted=int(num_matches),
-                draft_time=p["draft"],
-                serial_time=p["serial"],
-                schedule_time=p["schedule"],
-                verify_time=time.perf_counter() - p["end"],
-            )
+        now = time.perf_counter()
+        round_stats = RoundStats(
+            verified=p["verified"],
+            accepted=int(num_matches),
+            draft_time=p["draft"],
+            serial_time=p["serial"],
+            schedule_time=p["schedule"],
+            verify_time=now - p["end"],
+            drafted=p["drafted"],
         )
+        self.stats.rounds.append(round_stats)
+        if self.gate is not None:
+            round_seconds = now - self._round_start
+            if round_stats.drafted:
+                self.gate.record_drafted(round_stats.accepted + 1, round_seconds)
+            if round_stats.verified == 0:  # the target ran a one-token step
+                drafting = round_stats.draft_time + round_stats.serial_time + round_stats.schedule_time
+                self.gate.record_plain(round_seconds - drafting)
         self._pending = None
 
 
-__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats", "resolve_verify_policy"]
+__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats", "resolve_drafting_gate",
+           "resolve_verify_policy"]

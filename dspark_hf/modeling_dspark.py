@@ -250,6 +250,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             uses a :class:`~dspark_hf.scheduler.PrefixScheduler` on an SPS table profiled on first
             use (cached on disk) when the draft has a confidence head, and the full block otherwise.
             Set a policy object from :mod:`dspark_hf.scheduler` to choose.
+        adaptive_drafting: whether a :class:`~dspark_hf.scheduler.DraftingGate` may skip drafting
+            in rounds where recent rounds show it does not pay (output unchanged either way).
+            ``None`` (default): on with a confidence-driven policy (the scheduler, a threshold),
+            off with a fixed length; ``True``/``False`` force it; a ``DraftingGate(...)`` sets its
+            window and probing (copied for each call).
         generation_stats: per-round statistics of the last ``generate`` call
             (:class:`~dspark_hf.candidate_generator.DSparkGenerationStats`).
     """
@@ -276,6 +281,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # state_dict/parameters so they are neither saved nor moved with the draft.
         self._borrowed: tuple[nn.Module | None, nn.Module | None] = (None, None)
         self.verify_policy = None
+        self.adaptive_drafting = None  # None | bool | DraftingGate
         self.generation_stats = None
         self.post_init()
 

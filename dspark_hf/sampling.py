@@ -6,7 +6,10 @@ logits each token was drawn from, because transformers' rejection sampling uses 
 draft distribution; any mismatch (another temperature, a missing top-k) would bias the output.
 
 Confidences ``c_1..c_gamma`` are computed after the loop in one batched call: ``c_k`` reads
-``x_{k-1}`` (never ``x_k``), and all of ``x_0..x_{gamma-1}`` are known by then.
+``x_{k-1}`` (never ``x_k``), and all of ``x_0..x_{gamma-1}`` are known by then. With an
+``admission`` callback (one request, the verify policy's incremental form) ``c_k`` is computed
+inside the loop before ``x_k`` is drawn, and the loop stops at the policy's first refusal: positions
+that will not be verified cost no Markov bias and no logits processors.
 
 This module is the PyTorch reference path; a compiled CUDA op (:mod:`dspark_hf.cuda_ops`) replaces
 the loop behind :func:`serial_sample` on CUDA tensors for the configurations it supports (greedy or
@@ -15,6 +18,7 @@ temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces ei
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +32,13 @@ class SerialSample:
     """Result of :func:`serial_sample`.
 
     Attributes:
-        tokens: drawn tokens ``x_1..x_gamma``, (R, gamma) long.
+        tokens: drawn tokens ``x_1..x_gamma``, (R, gamma) long; with ``admission``, only the
+            admitted ``x_1..x_keep`` (R = 1, keep = ``num_admitted``).
         logits: the float32 logits each token was drawn from (``U_k + B_k`` after the logits
-            processors), (R, gamma, V).
+            processors), (R, gamma, V); with ``admission``, (1, keep, V).
         confidences: ``c_1..c_gamma`` (calibrated when the config has temperatures), (R, gamma)
-            float32, or ``None`` for a draft without a confidence head.
+            float32, or ``None`` for a draft without a confidence head; with ``admission``, the
+            ones offered to it.
         uniforms: when sampling by inverse CDF (the CUDA op always, the reference when given
             ``uniforms``), the numbers in [0, 1) the tokens were drawn with, (R, gamma) float32;
             otherwise ``None``.
@@ -42,6 +48,7 @@ class SerialSample:
     logits: torch.Tensor
     confidences: torch.Tensor | None
     uniforms: torch.Tensor | None = None
+    num_admitted: int | None = None
 
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -73,6 +80,8 @@ def serial_sample(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
     backend: str = "auto",
+    admission: Callable[[float], bool] | None = None,
+    max_positions: int | None = None,
 ) -> SerialSample:
     """Draws one block of draft tokens left to right.
 
@@ -97,6 +106,11 @@ def serial_sample(
             call (:func:`dspark_hf.cuda_ops.unsupported_reason`) and this PyTorch loop otherwise;
             ``"reference"`` always the loop; ``"cuda"`` always the op (``ValueError`` naming the
             reason when it cannot run the call, ``CudaOpUnavailable`` when it cannot be built).
+        admission: for one request (R = 1), the verify policy's ``offer`` (see
+            :meth:`dspark_hf.scheduler.VerifyPolicy.start_round`): ``c_k`` (1.0 without a
+            confidence head) is offered before ``x_k`` is drawn and the block ends at the first
+            refusal. ``num_admitted`` of the result is the verification length.
+        max_positions: offer at most this many positions (the generation's length budget).
     """
     if backend not in BACKENDS:
         raise ValueError(f"serial_sample backend must be one of {BACKENDS}, got {backend!r}.")
@@ -109,13 +123,20 @@ def serial_sample(
         uniforms = None
     elif uniforms is not None and tuple(uniforms.shape) != (batch, gamma):
         raise ValueError(f"uniforms must have shape (R, gamma) = {(batch, gamma)}, got {tuple(uniforms.shape)}.")
+    if admission is not None and batch != 1:
+        raise ValueError(f"serial_sample admission decides one request; got {batch} rows (use admit_batch).")
+    num_positions = gamma if max_positions is None else max(0, min(gamma, max_positions))
     if _may_use_cuda_op(backend, base_logits):
         from .cuda_ops import dispatch
 
         result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
                           logits_processor=logits_processor, generator=generator, uniforms=uniforms, backend=backend)
         if result is not None:
-            return result
+            return result if admission is None else _admit_after(result, admission, num_positions)
+    if admission is not None:
+        return _sample_admitted(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
+                                logits_processor=logits_processor, prefix_ids=prefix_ids, generator=generator,
+                                uniforms=uniforms, admission=admission, num_positions=num_positions)
 
     tokens = torch.empty(batch, gamma, dtype=torch.long, device=base_logits.device)
     logits = base_logits.float()  # a fresh float32 copy when the backbone runs in half precision
@@ -149,12 +170,79 @@ def serial_sample(
         prev_tokens = torch.cat([anchor_ids.view(batch, 1).to(tokens.device), tokens[:, :-1]], dim=1)
         prev_features = markov.markov_w1(prev_tokens) if confidence.with_markov else None
         conf_logits = confidence.logits(hidden_states, prev_features).float()
-        temperatures = draft.config.confidence_temperatures
+        temperatures = _confidence_temperatures(draft, conf_logits.device)
         if temperatures is not None:
-            conf_logits = conf_logits / torch.tensor(temperatures, device=conf_logits.device)[:gamma]
+            conf_logits = conf_logits / temperatures[:gamma]
         confidences = torch.sigmoid(conf_logits)
     return SerialSample(tokens=tokens, logits=logits, confidences=confidences,
                         uniforms=uniforms.to(device=tokens.device, dtype=torch.float32) if uniforms is not None else None)
+
+
+def _confidence_temperatures(draft: DSparkDraftModel, device) -> torch.Tensor | None:
+    temperatures = draft.config.confidence_temperatures
+    return None if temperatures is None else torch.tensor(temperatures, device=device, dtype=torch.float32)
+
+
+def _admit_after(result: SerialSample, admission: Callable[[float], bool], num_positions: int) -> SerialSample:
+    """Applies ``admission`` to a fully drawn block (the CUDA op path): same decision, same prefix."""
+    confidences = result.confidences[0].tolist() if result.confidences is not None else [1.0] * num_positions
+    keep = 0
+    for c in confidences[:num_positions]:
+        if not admission(c):
+            break
+        keep += 1
+    return SerialSample(tokens=result.tokens[:, :keep], logits=result.logits[:, :keep],
+                        confidences=result.confidences, uniforms=result.uniforms, num_admitted=keep)
+
+
+def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample, logits_processor, prefix_ids,
+                     generator, uniforms, admission, num_positions) -> SerialSample:
+    """The loop for one request that asks the policy before drawing each token."""
+    markov, confidence = draft.markov_head, draft.confidence_head
+    use_processors = logits_processor is not None and len(logits_processor) > 0
+    device = base_logits.device
+    temperatures = _confidence_temperatures(draft, device) if confidence is not None else None
+    sequence = prefix_ids.to(device) if use_processors else None
+    prev = anchor_ids.to(device).view(1)
+    state = markov.initial_state(1, hidden_states.device, hidden_states.dtype) if markov is not None else None
+    tokens, logits, offered = [], [], []
+    for k in range(num_positions):
+        if confidence is not None:
+            prev_features = markov.markov_w1(prev)[:, None] if confidence.with_markov else None
+            conf_logit = confidence.logits(hidden_states[:, k : k + 1], prev_features).float()
+            if temperatures is not None:
+                conf_logit = conf_logit / temperatures[k]
+            c = float(torch.sigmoid(conf_logit))
+        else:
+            c = 1.0
+        offered.append(c)
+        if not admission(c):
+            break
+        row = base_logits[:, k].float()
+        if markov is not None:
+            bias, state = markov.step(prev, hidden_states[:, k], state)
+            row = row + bias.float()
+        if use_processors:
+            row = logits_processor(sequence, row)
+        if do_sample and uniforms is not None:
+            prev = inverse_cdf_sample(row, uniforms[:, k])
+        elif do_sample:
+            prev = torch.multinomial(torch.softmax(row, dim=-1), num_samples=1, generator=generator).squeeze(1)
+        else:
+            prev = row.argmax(dim=-1)
+        tokens.append(prev)
+        logits.append(row)
+        if use_processors:
+            sequence = torch.cat([sequence, prev.view(1, 1)], dim=1)
+    keep = len(tokens)
+    vocab = base_logits.shape[-1]
+    return SerialSample(
+        tokens=torch.stack(tokens, dim=1) if keep else torch.empty(1, 0, dtype=torch.long, device=device),
+        logits=torch.stack(logits, dim=1) if keep else torch.empty(1, 0, vocab, device=device),
+        confidences=torch.tensor([offered], dtype=torch.float32, device=device) if confidence is not None else None,
+        uniforms=uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None,
+        num_admitted=keep,
+    )
 
 
 __all__ = ["BACKENDS", "SerialSample", "inverse_cdf_sample", "serial_sample"]

@@ -28,7 +28,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,10 @@ __all__ = [
     "PrefixScheduler",
     "FixedLengthPolicy",
     "ThresholdPolicy",
+    "DraftingGate",
     "monotone_step_times",
     "profile_sps",
+    "load_sps_profile",
     "sps_cache_key",
     "default_cache_dir",
 ]
@@ -77,15 +79,28 @@ class VerifyPolicy:
     """Interface of a verification-length policy.
 
     Attributes:
-        requires_confidences: whether :meth:`admit` looks at the confidence values. When it is
+        requires_confidences: whether the policy looks at the confidence values. When it is
             ``False`` the caller may skip computing confidences and pass any sequence of the right
             length (only ``len(confidences)`` is used).
 
-    Subclasses implement :meth:`admit`; :meth:`admit_batch` defaults to deciding every request
+    Single-request policies implement :meth:`start_round`, the incremental form: the caller offers
+    ``c_1, c_2, ...`` one at a time and stops at the first refusal. That form lets the serial
+    sampling loop stop as soon as the policy does (no Markov bias or logits processors for
+    positions that will not be verified), and it makes every policy non-anticipating by
+    construction: admitting position ``k`` can only depend on ``c_1..c_k``. :meth:`admit` runs
+    the same decision over a whole list; :meth:`admit_batch` defaults to deciding every request
     on its own.
     """
 
     requires_confidences: bool = True
+
+    def start_round(self, trace: list[float] | None = None) -> Callable[[float], bool]:
+        """Starts one round's decision and returns ``offer``: ``offer(c_k)`` for ``k = 1, 2, ...``
+        says whether position ``k`` is verified; after the first ``False`` it is not called again.
+
+        ``trace``, when given, receives the policy's internal scores (see
+        :meth:`PrefixScheduler.throughputs`)."""
+        raise NotImplementedError
 
     def admit(self, confidences: Sequence[float]) -> int:
         """Decides the verification length of one request.
@@ -97,7 +112,14 @@ class VerifyPolicy:
         Returns:
             How many leading draft tokens to verify, in ``0..len(confidences)``.
         """
-        raise NotImplementedError
+        offer = self.start_round()
+        keep = 0
+        for k, c in enumerate(_as_float_list(confidences), start=1):
+            _check_confidence(c, k)
+            if not offer(c):
+                break
+            keep = k
+        return keep
 
     def admit_batch(self, confidences_per_request: Sequence[Sequence[float]]) -> list[int]:
         """Decides the verification lengths of ``R`` requests decoded together.
@@ -134,6 +156,16 @@ class FixedLengthPolicy(VerifyPolicy):
             )
         self.length = length
 
+    def start_round(self, trace: list[float] | None = None) -> Callable[[float], bool]:
+        offered = 0
+
+        def offer(confidence: float) -> bool:
+            nonlocal offered
+            offered += 1
+            return offered <= self.length
+
+        return offer
+
     def admit(self, confidences: Sequence[float]) -> int:
         return min(self.length, len(confidences))
 
@@ -160,16 +192,17 @@ class ThresholdPolicy(VerifyPolicy):
             )
         self.threshold = threshold
 
-    def admit(self, confidences: Sequence[float]) -> int:
+    def start_round(self, trace: list[float] | None = None) -> Callable[[float], bool]:
         survival = 1.0
-        keep = 0
-        for k, c in enumerate(_as_float_list(confidences), start=1):
-            _check_confidence(c, k)
-            survival *= c
-            if not survival >= self.threshold:
-                break
-            keep = k
-        return keep
+
+        def offer(confidence: float) -> bool:
+            nonlocal survival
+            survival *= confidence
+            if trace is not None:
+                trace.append(survival)
+            return survival >= self.threshold  # `>=` is False on NaN
+
+        return offer
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(threshold={self.threshold})"
@@ -255,19 +288,19 @@ class PrefixScheduler(VerifyPolicy):
 
     # -- single request ------------------------------------------------------------------------
 
-    def _admit_one(self, confidences: Sequence[float], trace: list[float] | None) -> int:
+    def start_round(self, trace: list[float] | None = None) -> Callable[[float], bool]:
         table = self.sps
         n_table = len(table)
         tokens = 1  # B: the anchor token is always processed
         expected = 1.0  # E: the anchor/bonus token is always produced
+        survival = 1.0
         best = table[0]
         if trace is not None:
             trace.append(best)
-        survival = 1.0
-        keep = 0
-        for k, c in enumerate(_as_float_list(confidences), start=1):
-            _check_confidence(c, k)
-            survival *= c
+
+        def offer(confidence: float) -> bool:
+            nonlocal tokens, expected, survival, best
+            survival *= confidence
             tokens += 1
             expected += survival
             rate = table[tokens - 1] if tokens <= n_table else table[-1] * n_table / tokens
@@ -280,14 +313,11 @@ class PrefixScheduler(VerifyPolicy):
             # (paper, Appendix A). Stopping here makes "k is admitted" a function of c_1..c_k
             # only, all known before x_k is drawn. (`not >` also stops on NaN.)
             if not theta > best:
-                break
+                return False
             best = theta
-            keep = k
-        return keep
+            return True
 
-    def admit(self, confidences: Sequence[float]) -> int:
-        """Verification length for one request (Algorithm 1 with ``R = 1``)."""
-        return self._admit_one(confidences, None)
+        return offer
 
     def throughputs(self, confidences: Sequence[float]) -> list[float]:
         """The ``Theta`` values the single-request scheduler evaluates.
@@ -296,7 +326,11 @@ class PrefixScheduler(VerifyPolicy):
         one (or up to ``Theta_n`` when every position improves).
         """
         trace: list[float] = []
-        self._admit_one(confidences, trace)
+        offer = self.start_round(trace)
+        for k, c in enumerate(_as_float_list(confidences), start=1):
+            _check_confidence(c, k)
+            if not offer(c):
+                break
         return trace
 
     # -- many requests -------------------------------------------------------------------------
@@ -333,7 +367,7 @@ class PrefixScheduler(VerifyPolicy):
             theta = expected * self.step_rate(tokens)
             if trace is not None:
                 trace.append(theta)
-            # Early stop (see _admit_one): everything visited so far has a >= a_{r,j} and comes
+            # Early stop (see start_round): everything visited so far has a >= a_{r,j} and comes
             # from other requests or from positions < j of request r, none of which depends on
             # the token x_{r,j}; positions j+1.. of request r come after (r, j). So admitting
             # (r, j) never depends on x_{r,j} itself. Looking past the first drop would break it.
@@ -356,6 +390,85 @@ class PrefixScheduler(VerifyPolicy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sps=<{len(self.sps)} entries, SPS(1)={self.sps[0]:.4g}>)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Whether to draft at all
+# ---------------------------------------------------------------------------------------------
+
+
+class DraftingGate:
+    """Decides, from past rounds only, whether drafting pays this round.
+
+    The draft forward and serial loop are paid every round, even when the scheduler then
+    verifies nothing. Where recent rounds show that drafting produces fewer tokens per second
+    than plain target steps (chat at temperature 1 with a weak draft, or a CPU whose multi-token
+    forward costs far more than a one-token one), the gate skips drafting and the round becomes a
+    plain target step.
+
+    The decision is a function of earlier rounds' outcomes and timings only, never of this
+    round's draft tokens, so the output stays exactly the target's (which tokens are proposed,
+    or whether any are, never changes what speculative decoding emits).
+
+    Rates compare like with like: ``drafted`` rounds give (accepted + 1) tokens over their whole
+    wall time (draft forward, serial loop, scheduler, verification); ``plain`` rounds give one
+    token over their wall time. Both come from the last ``window`` rounds of each kind. A round
+    that drafted but verified nothing also tells the time of a plain step (its wall time minus the
+    drafting). While drafting is off, every ``probe_every``-th round drafts anyway, so a change of
+    content (prose turning into code) is noticed.
+
+    Args:
+        window: rounds of each kind the rates are computed over.
+        probe_every: while drafting does not pay, draft on one round in this many.
+        min_rounds: drafted rounds observed before the gate may turn drafting off.
+    """
+
+    def __init__(self, window: int = 16, probe_every: int = 16, min_rounds: int = 4) -> None:
+        if window < 1 or probe_every < 1 or min_rounds < 1:
+            raise ValueError(
+                f"DraftingGate needs window, probe_every and min_rounds >= 1, got {window}, {probe_every}, {min_rounds}."
+            )
+        self.window = window
+        self.probe_every = probe_every
+        self.min_rounds = min_rounds
+        self._drafted: list[tuple[int, float]] = []  # (tokens produced, seconds)
+        self._plain: list[float] = []  # seconds of a one-token target step
+        self._skipped_in_a_row = 0
+
+    def drafted_rate(self) -> float | None:
+        """Tokens per second of recent drafted rounds (None before any)."""
+        if not self._drafted:
+            return None
+        return sum(t for t, _ in self._drafted) / max(sum(s for _, s in self._drafted), 1e-12)
+
+    def plain_rate(self) -> float | None:
+        """Tokens per second of recent plain steps (None before any)."""
+        if not self._plain:
+            return None
+        return len(self._plain) / max(sum(self._plain), 1e-12)
+
+    def should_draft(self) -> bool:
+        """Whether to run the draft this round."""
+        drafted, plain = self.drafted_rate(), self.plain_rate()
+        if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain:
+            self._skipped_in_a_row = 0
+            return True
+        if self._skipped_in_a_row + 1 >= self.probe_every:
+            self._skipped_in_a_row = 0
+            return True
+        self._skipped_in_a_row += 1
+        return False
+
+    def record_drafted(self, tokens: int, seconds: float) -> None:
+        """A round that ran the draft produced ``tokens`` (accepted + bonus) in ``seconds``."""
+        self._drafted = (self._drafted + [(tokens, seconds)])[-self.window :]
+
+    def record_plain(self, seconds: float) -> None:
+        """A one-token target step took ``seconds``."""
+        self._plain = (self._plain + [seconds])[-self.window :]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,6 +615,20 @@ def _load_cached(directory: Path, base_key: str, max_tokens: int) -> tuple[list[
             return [float(v) for v in table[:max_tokens]], path
         logger.warning("Ignoring invalid SPS cache file %s.", path)
     return None
+
+
+def load_sps_profile(model: torch.nn.Module, max_tokens: int, *, context_length: int = 256,
+                     cache_dir: str | os.PathLike | None = None) -> dict | None:
+    """The cached profile record :func:`profile_sps` wrote for ``model`` (raw median step times,
+    fitted times, the table, the environment), or ``None`` if there is none covering ``max_tokens``."""
+    directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "sps"
+    if not directory.is_dir():
+        return None
+    found = _load_cached(directory, _base_key(model, context_length), max_tokens)
+    if found is None:
+        return None
+    with open(found[1], encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _cache_kwarg_name(model: torch.nn.Module) -> str:

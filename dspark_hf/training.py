@@ -384,7 +384,7 @@ def collect_confidences(draft: DSparkDraftModel, target_head, items: list[dict],
 def main(argv: list[str] | None = None) -> None:
     """CLI: data (ShareGPT prompts answered by SmolLM2) -> target features -> training -> STS -> save."""
     from .calibration import calibrate_draft
-    from .data import generate_answers, load_corpus, sharegpt_prompts
+    from .data import generate_answers, load_corpus, sharegpt_prompts, sharegpt_reference_answers
     from .scheduler import default_cache_dir
     from .smollm2 import load_smollm2, mask_token_id
 
@@ -394,9 +394,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", default=None, help="JSONL corpus (default: <cache>/data/sharegpt_smollm2.jsonl)")
     parser.add_argument("--num-prompts", type=int, default=320)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--reference-answers", type=int, default=0,
+                        help="add this many ShareGPT conversations with their original answers (no generation)")
     parser.add_argument("--markov-rank", type=int, default=64)
     parser.add_argument("--no-confidence-head", action="store_true")
     parser.add_argument("--max-steps", type=int, default=800)
+    parser.add_argument("--learning-rate", type=float, default=TrainingConfig.learning_rate)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--prepare-only", action="store_true", help="only build the corpus and the feature cache")
@@ -412,12 +415,19 @@ def main(argv: list[str] | None = None) -> None:
     prompts = sharegpt_prompts(limit=args.num_prompts)
     generate_answers(target, tokenizer, prompts, corpus, max_new_tokens=args.max_new_tokens, batch_size=32)
     records = sorted((r for r in load_corpus(corpus) if r["index"] < args.num_prompts), key=lambda r: r["index"])
-    cfg = TrainingConfig(markov_rank=args.markov_rank, max_steps=args.max_steps,
+    tag = f"n{args.num_prompts}"
+    if args.reference_answers:
+        reference = corpus.with_name(f"sharegpt_reference.n{args.reference_answers}.jsonl")
+        sharegpt_reference_answers(tokenizer, args.reference_answers, reference, exclude_prompts=set(prompts),
+                                   max_answer_tokens=args.max_new_tokens)
+        records += load_corpus(reference)  # after the target's own answers: the held-out split stays on-policy
+        tag += f".ref{args.reference_answers}"
+    cfg = TrainingConfig(markov_rank=args.markov_rank, max_steps=args.max_steps, learning_rate=args.learning_rate,
                          confidence_head=not args.no_confidence_head,
                          confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
                          mask_token_id=mask_token_id(tokenizer))
     cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
-    feature_path = corpus.with_name(f"{corpus.stem}.n{args.num_prompts}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
+    feature_path = corpus.with_name(f"{corpus.stem}.{tag}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
     items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len)
     if args.prepare_only:
         return

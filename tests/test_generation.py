@@ -167,3 +167,54 @@ def test_left_padded_single_prompt():
     got = target.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False, assistant_model=draft)
     assert got.tolist() == expected.tolist()
     assert draft.generation_stats.accepted_tokens > 0
+
+
+class AlternatingGate:
+    """A drafting gate that skips every other round (a decision from the past only)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def should_draft(self):
+        self.calls += 1
+        return self.calls % 2 == 1
+
+    def record_drafted(self, tokens, seconds):
+        pass
+
+    def record_plain(self, seconds):
+        pass
+
+
+def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
+    import dspark_hf.candidate_generator as cg
+
+    monkeypatch.setattr(cg, "resolve_drafting_gate", lambda draft, policy: AlternatingGate())
+    target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
+    draft.verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
+    for prompt in _prompts(6, seed=3):
+        expected = target.generate(prompt, max_new_tokens=25, do_sample=False)
+        got = target.generate(prompt, max_new_tokens=25, do_sample=False, assistant_model=draft)
+        assert got.tolist() == expected.tolist()
+        stats = draft.generation_stats
+        skipped = [r for r in stats.rounds if not r.drafted]
+        assert skipped and all(r.verified == 0 and r.draft_time == 0.0 for r in skipped)
+        assert 0.0 < stats.drafted_fraction < 1.0
+
+
+def test_adaptive_drafting_setting():
+    from dspark_hf import DraftingGate, ThresholdPolicy
+    from dspark_hf.candidate_generator import resolve_drafting_gate
+
+    target, draft = _target_and_draft("llama", confidence_logits=torch.zeros(VOCAB))
+    assert resolve_drafting_gate(draft, PrefixScheduler([1.0, 0.5])) is not None
+    assert resolve_drafting_gate(draft, ThresholdPolicy(0.5)) is not None
+    assert resolve_drafting_gate(draft, FixedLengthPolicy(3)) is None
+    draft.adaptive_drafting = False
+    assert resolve_drafting_gate(draft, PrefixScheduler([1.0, 0.5])) is None
+    draft.adaptive_drafting = DraftingGate(window=5, probe_every=7)
+    gate = resolve_drafting_gate(draft, FixedLengthPolicy(3))
+    assert gate is not draft.adaptive_drafting and (gate.window, gate.probe_every) == (5, 7)
+    draft.adaptive_drafting = "yes"
+    with pytest.raises(ValueError, match="adaptive_drafting"):
+        resolve_drafting_gate(draft, FixedLengthPolicy(3))

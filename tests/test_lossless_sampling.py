@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dspark_hf import PrefixScheduler
-from dspark_hf.scheduler import VerifyPolicy
+from dspark_hf.scheduler import DraftingGate, VerifyPolicy
 from tiny_models import bigram_target, markov_draft
 
 TARGET_PROBS = torch.tensor(
@@ -72,10 +72,29 @@ def _exact_distribution(temperature, top_k):
     return exact
 
 
-def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0):
+class PastAcceptanceGate(DraftingGate):
+    """Drafts only after a round that accepted an even number of tokens: a decision taken from
+    past rounds (and so from tokens already emitted), as the real gate's is."""
+
+    def __init__(self):
+        super().__init__()
+        self.last_tokens = 1
+
+    def should_draft(self):
+        return self.last_tokens % 2 == 1  # the previous round produced accepted + 1 tokens
+
+    def record_drafted(self, tokens, seconds):
+        self.last_tokens = tokens
+
+    def record_plain(self, seconds):
+        self.last_tokens = 1
+
+
+def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False):
     target = bigram_target(_log(TARGET_PROBS))
     draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
     draft.verify_policy = policy
+    draft.adaptive_drafting = gate
     torch.manual_seed(seed)
     counts, scheduled = {}, [0] * 4
     for _ in range(NUM_SAMPLES):
@@ -111,3 +130,8 @@ def test_sampling_matches_target_distribution(temperature, top_k):
 def test_anticipating_scheduler_is_detected_as_biased():
     p_value, _ = _chi_square_p_value(AnticipatingScheduler(SPS))
     assert p_value < 1e-5, f"the test failed to detect the anticipating scheduler's bias (p={p_value:.2e})"
+
+
+def test_sampling_lossless_when_a_gate_skips_drafting_from_past_rounds():
+    p_value, scheduled = _chi_square_p_value(PrefixScheduler(SPS), gate=PastAcceptanceGate())
+    assert p_value > 1e-3, f"DSpark output with a drafting gate deviates from the target (p={p_value:.2e})"

@@ -121,3 +121,32 @@ def test_sampled_tokens_follow_returned_logits():
     returned = out.logits[0, 0]  # position 1's distribution does not depend on the sampled path
     assert _chi_square_p_value(counts, torch.softmax(returned, -1)) > 1e-3
     assert _chi_square_p_value(counts, torch.softmax(returned * 2.0, -1)) < 1e-6
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_admission_loop_draws_the_same_prefix_as_the_full_loop(do_sample):
+    from dspark_hf import PrefixScheduler
+
+    draft = _draft(temperatures=[1.5, 0.8, 1.0, 1.2, 0.9])
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.8)])
+    policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78, 0.76])
+    lengths = set()
+    for seed in range(12):
+        U, H, anchor = _inputs(seed)
+        prefix = torch.tensor([[3, 9, 7]])
+        uniforms = torch.rand(1, GAMMA, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            full = serial_sample(draft, U, H, anchor, do_sample=do_sample, logits_processor=processors,
+                                 prefix_ids=prefix, uniforms=uniforms)
+            part = serial_sample(draft, U, H, anchor, do_sample=do_sample, logits_processor=processors,
+                                 prefix_ids=prefix, uniforms=uniforms, admission=policy.start_round(),
+                                 max_positions=4)
+        keep = policy.admit(full.confidences[0, :4].tolist())
+        assert part.num_admitted == keep
+        assert part.tokens.tolist() == full.tokens[:, :keep].tolist()
+        torch.testing.assert_close(part.logits, full.logits[:, :keep])
+        # c_1..c_{keep+1} were offered (the last one refused unless the budget ran out)
+        offered = part.confidences.shape[1]
+        torch.testing.assert_close(part.confidences, full.confidences[:, :offered])
+        lengths.add(keep)
+    assert len(lengths) >= 3, f"the test should see several admitted lengths, got {lengths}"

