@@ -274,9 +274,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         t0 = time.perf_counter()
         anchor = input_ids[:, -1]
         self.block_ids[:, 0] = anchor.to(self.device)
-        out = self.draft(self.block_ids, self._next_position + self.block_offsets, self.cache)
-        t1 = time.perf_counter()
         incremental = type(self.policy).start_round is not VerifyPolicy.start_round
+        # With incremental admission the LM head runs only once a position is admitted.
+        out = self.draft(self.block_ids, self._next_position + self.block_offsets, self.cache,
+                         compute_logits=not incremental)
+        t1 = time.perf_counter()
         sample = serial_sample(
             self.draft,
             out.logits,

@@ -204,11 +204,12 @@ class DraftBlockOutput:
 
     Attributes:
         hidden_states: final-normed hidden states ``h_1..h_gamma``, shape (R, gamma, hidden_size).
-        logits: base logits ``U_1..U_gamma`` (before the Markov bias), shape (R, gamma, vocab_size).
+        logits: base logits ``U_1..U_gamma`` (before the Markov bias), shape (R, gamma, vocab_size),
+            or ``None`` when the forward was asked not to compute them (see :meth:`DSparkDraftModel.base_logits`).
     """
 
     hidden_states: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
 
 
 class DSparkPreTrainedModel(PreTrainedModel):
@@ -510,8 +511,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         position_ids: torch.LongTensor,
         cache: DraftContextCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        compute_logits: bool = True,
     ) -> DraftBlockOutput:
         """Runs one block (R, gamma) at ``position_ids`` against the cached context.
+
+        With ``compute_logits=False`` the LM head is skipped (``logits`` is None): generation
+        computes the base logits only once the verify policy admits a first position, because
+        the vocabulary projection is most of a small draft's cost and the policy often admits none.
 
         Every block position sees the whole block and all context (no causal mask). Training
         packs many blocks into one row and passes ``attention_mask`` (bool, broadcastable to
@@ -534,9 +540,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         hidden = self.norm(hidden)
         if mask_positions_predict:  # z-lab layout: the anchor's output predicts nothing
             hidden = hidden[:, 1:]
+        return DraftBlockOutput(hidden_states=hidden, logits=self.base_logits(hidden) if compute_logits else None)
+
+    def base_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Base logits ``U`` (the LM head) of final-normed hidden states (..., hidden_size)."""
         head = self._lm_head()
-        logits = head(hidden.to(head.weight.device, head.weight.dtype)).to(hidden.device)
-        return DraftBlockOutput(hidden_states=hidden, logits=logits)
+        return head(hidden_states.to(head.weight.device, head.weight.dtype)).to(hidden_states.device)
 
     def _extend_block_for_mask_predictions(self, input_ids, position_ids):
         """z-lab DFlash layout (``anchor_predicts=False``, inference blocks only): the block

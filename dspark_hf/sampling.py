@@ -87,7 +87,9 @@ def serial_sample(
 
     Args:
         draft: the draft model (its ``markov_head`` and ``confidence_head`` are used; either may be None).
-        base_logits: backbone logits ``U``, (R, gamma, V).
+        base_logits: backbone logits ``U``, (R, gamma, V); or ``None`` to compute them from
+            ``hidden_states`` with the draft's LM head, which with ``admission`` happens only
+            once the first position is admitted (a round that verifies nothing skips it).
         hidden_states: backbone hidden states ``h`` (final-normed), (R, gamma, d).
         anchor_ids: ``x_0``, the last accepted token, (R,).
         do_sample: multinomial sampling if True, argmax otherwise.
@@ -114,7 +116,9 @@ def serial_sample(
     """
     if backend not in BACKENDS:
         raise ValueError(f"serial_sample backend must be one of {BACKENDS}, got {backend!r}.")
-    batch, gamma, _ = base_logits.shape
+    if base_logits is None and (admission is None or _may_use_cuda_op(backend, hidden_states)):
+        base_logits = draft.base_logits(hidden_states)
+    batch, gamma = hidden_states.shape[:2]
     markov, confidence = draft.markov_head, draft.confidence_head
     use_processors = logits_processor is not None and len(logits_processor) > 0
     if use_processors and prefix_ids is None:
@@ -126,7 +130,7 @@ def serial_sample(
     if admission is not None and batch != 1:
         raise ValueError(f"serial_sample admission decides one request; got {batch} rows (use admit_batch).")
     num_positions = gamma if max_positions is None else max(0, min(gamma, max_positions))
-    if _may_use_cuda_op(backend, base_logits):
+    if _may_use_cuda_op(backend, hidden_states):
         from .cuda_ops import dispatch
 
         result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
@@ -200,9 +204,10 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
     """The loop for one request that asks the policy before drawing each token."""
     markov, confidence = draft.markov_head, draft.confidence_head
     use_processors = logits_processor is not None and len(logits_processor) > 0
-    device = base_logits.device
+    device = hidden_states.device
     temperatures = _confidence_temperatures(draft, device) if confidence is not None else None
     sequence = prefix_ids.to(device) if use_processors else None
+    first = 0  # position of base_logits[:, 0]
     prev = anchor_ids.to(device).view(1)
     state = markov.initial_state(1, hidden_states.device, hidden_states.dtype) if markov is not None else None
     tokens, logits, offered = [], [], []
@@ -218,7 +223,9 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
         offered.append(c)
         if not admission(c):
             break
-        row = base_logits[:, k].float()
+        if base_logits is None:  # first admitted position: one LM-head call for the rest of the block
+            base_logits, first = draft.base_logits(hidden_states[:, k:num_positions]), k
+        row = base_logits[:, k - first].float()
         if markov is not None:
             bias, state = markov.step(prev, hidden_states[:, k], state)
             row = row + bias.float()
@@ -235,7 +242,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
         if use_processors:
             sequence = torch.cat([sequence, prev.view(1, 1)], dim=1)
     keep = len(tokens)
-    vocab = base_logits.shape[-1]
+    vocab = draft.config.vocab_size
     return SerialSample(
         tokens=torch.stack(tokens, dim=1) if keep else torch.empty(1, 0, dtype=torch.long, device=device),
         logits=torch.stack(logits, dim=1) if keep else torch.empty(1, 0, vocab, device=device),

@@ -312,7 +312,7 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
         start_step = json.loads((checkpoint / "step.json").read_text())["step"]
         logger.warning(f"Resuming from step {start_step}.")
     generator = torch.Generator().manual_seed(cfg.seed + start_step)
-    log = (output_dir / "train_log.jsonl").open("a")
+    log = (output_dir / "train_log.jsonl").open("a" if resume else "w")
     draft.train()
     bar = tqdm(range(start_step, cfg.max_steps), desc="Training draft", disable=not accelerator.is_main_process)
     window: list[dict[str, torch.Tensor]] = []  # per-step metrics since the last log line

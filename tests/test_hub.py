@@ -360,9 +360,11 @@ def test_zlab_dflash_drafts_exactly_zlabs_positions(tmp_path, nested):
     assert draft.markov_head is None and draft.confidence_head is None
     assert not hasattr(draft.config, "dflash_config") and getattr(draft.config, "auto_map", None) is None
     target = _target()
-    # the draft logits of every full round, captured from the draft's forward during generate
+    # the draft logits of every full round, from the hidden states of the draft's forward during
+    # generate (generation computes the LM head lazily, inside the serial loop)
     captured = []
-    hook = draft.register_forward_hook(lambda module, args, output: captured.append(output.logits[0].clone()))
+    hook = draft.register_forward_hook(
+        lambda module, args, output: captured.append(module.base_logits(output.hidden_states)[0].clone()))
     max_new = 30
     prompt = torch.tensor([PROMPT])
     out = target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
