@@ -17,8 +17,9 @@ Greedy runs also check that each method's output is token-for-token the target's
 Per dataset and decoding mode it reports tokens/s, speedup over the target alone, mean accepted
 length tau (tokens per target forward, bonus included), verify efficiency (accepted / verified
 draft tokens), per-position conditional acceptance, the distribution of scheduled lengths, the
-share of rounds that drafted, and the wall time per round split into target verify / draft
-forward / serial loop (with the policy's decisions) / scheduler / everything else. Outputs (in
+share of rounds that drafted, the wall time per round split into target verify / draft forward
+(the LM head included) / serial loop (with the policy's decisions) / scheduler / everything else,
+and the overhead outside the two forwards as a share of the round. Outputs (in
 ``--out``): ``bench.json`` (raw per-run numbers and the environment), ``bench.md`` (the table) and
 PNG plots (``speedup.png``, ``acceptance.png``, ``sps.png``).
 
@@ -246,8 +247,8 @@ def markdown_table(rows: list[dict]) -> str:
     """The summary as a markdown table, rows grouped by dataset and mode."""
     lines = [
         "| dataset | mode | method | tok/s | speedup | tau | verify eff. | drafted | mean verified | "
-        "ms/round verify / draft / serial / sched / other | same as target |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "ms/round verify / draft / serial / sched / other | overhead | same as target |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for row in rows:
         split = row.get("ms_per_round")
@@ -256,13 +257,14 @@ def markdown_table(rows: list[dict]) -> str:
         same = {True: "yes", False: "**NO**", None: "-"}[row["identical_to_target"]]
         if row["errors"] and row["tokens_per_s"] is None:
             lines.append(f"| {row['dataset']} | {row['mode']} | {row['method']} | error: {row['errors'][0][:60]} "
-                         "| | | | | | | |")
+                         "| | | | | | | | |")
             continue
         lines.append(
             f"| {row['dataset']} | {row['mode']} | {row['method']} | {_fmt(row['tokens_per_s'], 1)} | "
             f"{_fmt(row['speedup'], 2, 'x')} | {_fmt(row.get('tau'))} | {_fmt(row.get('verify_efficiency'))} | "
             f"{_fmt(None if row.get('drafted_fraction') is None else 100 * row['drafted_fraction'], 0, '%')} | "
-            f"{_fmt(row.get('mean_scheduled_length'))} | {split_text} | {same} |"
+            f"{_fmt(row.get('mean_scheduled_length'))} | {split_text} | "
+            f"{_fmt(None if row.get('overhead_share') is None else 100 * row['overhead_share'], 1, '%')} | {same} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -38,9 +38,11 @@ logger = logging.get_logger(__name__)
 class RoundStats:
     """One round: how many draft tokens were verified and accepted, and where the time went (seconds).
 
-    ``drafted`` is False for rounds the drafting gate turned into plain target steps. The serial
-    loop and the policy are interleaved, so ``serial_time`` includes the policy's decisions;
-    ``schedule_time`` is what remains around them (EOS truncation, the gate).
+    ``drafted`` is False for rounds the drafting gate turned into plain target steps.
+    ``draft_time`` includes the draft's LM head, which runs inside the serial loop once a first
+    position is admitted. The serial loop and the policy are interleaved, so ``serial_time``
+    includes the policy's decisions; ``schedule_time`` is what remains around them (EOS
+    truncation).
     """
 
     verified: int
@@ -303,7 +305,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             if bool(is_eos.any()):
                 keep = int(is_eos.int().argmax()) + 1
         t3 = time.perf_counter()
-        self._pending = {"verified": keep, "drafted": True, "draft": t1 - t0, "serial": t2 - t1,
+        head = sample.lm_head_seconds  # the lazily run LM head belongs to the draft forward
+        self._pending = {"verified": keep, "drafted": True, "draft": t1 - t0 + head, "serial": t2 - t1 - head,
                          "schedule": t3 - t2, "end": t3}
         if keep == 0:
             return input_ids, None

@@ -18,6 +18,7 @@ temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces ei
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ class SerialSample:
     confidences: torch.Tensor | None
     uniforms: torch.Tensor | None = None
     num_admitted: int | None = None
+    lm_head_seconds: float = 0.0  # wall time of a lazily computed LM head (part of the draft forward)
 
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -208,6 +210,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
     temperatures = _confidence_temperatures(draft, device) if confidence is not None else None
     sequence = prefix_ids.to(device) if use_processors else None
     first = 0  # position of base_logits[:, 0]
+    lm_head_seconds = 0.0
     prev = anchor_ids.to(device).view(1)
     state = markov.initial_state(1, hidden_states.device, hidden_states.dtype) if markov is not None else None
     tokens, logits, offered = [], [], []
@@ -224,7 +227,9 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
         if not admission(c):
             break
         if base_logits is None:  # first admitted position: one LM-head call for the rest of the block
+            start = time.perf_counter()
             base_logits, first = draft.base_logits(hidden_states[:, k:num_positions]), k
+            lm_head_seconds = time.perf_counter() - start
         row = base_logits[:, k - first].float()
         if markov is not None:
             bias, state = markov.step(prev, hidden_states[:, k], state)
@@ -249,6 +254,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
         confidences=torch.tensor([offered], dtype=torch.float32, device=device) if confidence is not None else None,
         uniforms=uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None,
         num_admitted=keep,
+        lm_head_seconds=lm_head_seconds,
     )
 
 
