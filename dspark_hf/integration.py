@@ -70,9 +70,11 @@ def _as_dspark_draft(assistant_model):
 def install_dspark_dispatch() -> None:
     """Installs the DSpark dispatch into transformers' generation (idempotent; run on import).
 
-    Two private methods of ``GenerationMixin`` are wrapped: ``_validate_generation_mode`` (so a
-    mismatched draft fails with DSpark's own message before transformers' generic tokenizer check)
-    and ``_get_candidate_generator`` (to build :class:`DSparkCandidateGenerator`).
+    Three private methods of ``GenerationMixin`` are wrapped: ``_validate_generation_mode`` (so a
+    mismatched draft fails with DSpark's own message before transformers' generic tokenizer check),
+    ``_get_candidate_generator`` (to build :class:`DSparkCandidateGenerator`) and
+    ``_assisted_decoding`` (a DSpark draft with batch size > 1 runs
+    :func:`dspark_hf.batched.batched_dspark_generate` instead of transformers' refusal).
     """
     if getattr(GenerationMixin._get_candidate_generator, _MARKER, False):
         return
@@ -119,11 +121,34 @@ def install_dspark_dispatch() -> None:
             **kwargs,
         )
 
-    for wrapper, wrapped in ((_get_candidate_generator, original), (_validate_generation_mode, original_validate)):
+    original_assisted = GenerationMixin._assisted_decoding
+
+    @functools.wraps(original_assisted)
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                           synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None, **model_kwargs):
+        draft = _as_dspark_draft(assistant_model)
+        if draft is None or input_ids.shape[0] == 1:
+            return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                     synced_gpus, streamer, inputs_tensor=inputs_tensor,
+                                     assistant_model=assistant_model, **model_kwargs)
+        from .batched import batched_dspark_generate, check_batched_support
+
+        check_batched_support(logits_processor, stopping_criteria, generation_config, streamer)
+        sequences = batched_dspark_generate(self, draft, input_ids, model_kwargs.get("attention_mask"),
+                                            logits_processor, generation_config)
+        if generation_config.return_dict_in_generate:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+    for wrapper, wrapped in ((_get_candidate_generator, original), (_validate_generation_mode, original_validate),
+                             (_assisted_decoding, original_assisted)):
         setattr(wrapper, _MARKER, True)
         wrapper.__wrapped_original__ = wrapped
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._assisted_decoding = _assisted_decoding
 
 
 def is_dspark_dispatch_installed() -> bool:

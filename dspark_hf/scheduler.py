@@ -412,7 +412,7 @@ class DraftingGate:
 
     Rates compare like with like: ``drafted`` rounds give (accepted + 1) tokens over their whole
     wall time (draft forward, serial loop, scheduler, verification); ``plain`` rounds give one
-    token over their wall time. Both come from the last ``window`` rounds of each kind. A round
+    token per sequence over their wall time. Both come from the last ``window`` rounds of each kind. A round
     that drafted but verified nothing also tells the time of a plain step (its wall time minus the
     drafting). While drafting is off, every ``probe_every``-th round drafts anyway, so a change of
     content (prose turning into code) is noticed.
@@ -432,7 +432,7 @@ class DraftingGate:
         self.probe_every = probe_every
         self.min_rounds = min_rounds
         self._drafted: list[tuple[int, float]] = []  # (tokens produced, seconds)
-        self._plain: list[float] = []  # seconds of a one-token target step
+        self._plain: list[tuple[int, float]] = []  # (tokens produced, seconds) of plain target steps
         self._skipped_in_a_row = 0
 
     def drafted_rate(self) -> float | None:
@@ -445,7 +445,7 @@ class DraftingGate:
         """Tokens per second of recent plain steps (None before any)."""
         if not self._plain:
             return None
-        return len(self._plain) / max(sum(self._plain), 1e-12)
+        return sum(t for t, _ in self._plain) / max(sum(s for _, s in self._plain), 1e-12)
 
     def should_draft(self) -> bool:
         """Whether to run the draft this round."""
@@ -463,9 +463,9 @@ class DraftingGate:
         """A round that ran the draft produced ``tokens`` (accepted + bonus) in ``seconds``."""
         self._drafted = (self._drafted + [(tokens, seconds)])[-self.window :]
 
-    def record_plain(self, seconds: float) -> None:
-        """A one-token target step took ``seconds``."""
-        self._plain = (self._plain + [seconds])[-self.window :]
+    def record_plain(self, seconds: float, tokens: int = 1) -> None:
+        """A plain target step (one token per running sequence: ``tokens``) took ``seconds``."""
+        self._plain = (self._plain + [(tokens, seconds)])[-self.window :]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every})"

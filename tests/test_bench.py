@@ -4,14 +4,12 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from dspark_hf import DSparkDraftModel
 from dspark_hf import bench
 from dspark_hf.bench import RunRecord, markdown_table, summarize
 from dspark_hf.candidate_generator import RoundStats
-from tiny_models import random_target
+from tiny_models import random_target, tiny_tokenizer
 
 
 def _round(verified, accepted, verify=0.050, draft=0.010, serial=0.004, schedule=0.001, drafted=True):
@@ -67,22 +65,12 @@ def test_summary_flags_a_greedy_output_that_differs():
     assert "**NO**" in markdown_table(list(rows.values()))
 
 
-def _tiny_tokenizer(words):
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                               "{% if add_generation_prompt %}answer {% endif %}")
-    return tokenizer
-
-
 def test_quick_bench_on_a_tiny_model(tmp_path):
     words = [f"w{i}" for i in range(40)] + ["answer"]
     target = random_target("llama", vocab_size=48, num_layers=3, context_scale=0.3)
     target_dir, dspark_dir, dflash_dir = tmp_path / "target", tmp_path / "dspark", tmp_path / "dflash"
     target.save_pretrained(target_dir)
-    _tiny_tokenizer(words).save_pretrained(target_dir)
+    tiny_tokenizer(words).save_pretrained(target_dir)
     DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).save_pretrained(dspark_dir)
     DSparkDraftModel.from_target(target, block_size=4, markov_rank=0, confidence_head=False).save_pretrained(
         dflash_dir)

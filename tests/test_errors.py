@@ -63,13 +63,11 @@ def test_bad_config_fields(kwargs, match):
         DSparkConfig(target_layer_ids=[0], mask_token_id=0, **kwargs)
 
 
-def test_num_beams_and_batch_size():
+def test_num_beams():
     target = random_target()
     draft = markov_draft(target, target_next_token_table(target))
     with pytest.raises(ValueError, match="num_beams=2.*Use num_beams=1.*does not support beam search"):
         target.generate(PROMPT, max_new_tokens=5, num_beams=2, assistant_model=draft)
-    with pytest.raises(ValueError, match="batch size 1 for now, got 2"):
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=5, assistant_model=draft)
 
 
 def test_confidence_policy_on_a_dflash_draft():

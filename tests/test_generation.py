@@ -182,7 +182,7 @@ class AlternatingGate:
     def record_drafted(self, tokens, seconds):
         pass
 
-    def record_plain(self, seconds):
+    def record_plain(self, seconds, tokens=1):
         pass
 
 

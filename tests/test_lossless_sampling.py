@@ -86,7 +86,7 @@ class PastAcceptanceGate(DraftingGate):
     def record_drafted(self, tokens, seconds):
         self.last_tokens = tokens
 
-    def record_plain(self, seconds):
+    def record_plain(self, seconds, tokens=1):
         self.last_tokens = 1
 
 

@@ -3,6 +3,7 @@
 * :func:`random_target` - a small random Llama or Qwen3 causal LM.
 * :func:`bigram_target` - a target whose next-token logits are a designed table ``T[current token]``
   (attention and MLP outputs zeroed, one-hot embeddings), so its exact distribution is known.
+* :func:`tiny_tokenizer` - a word-level tokenizer with a chat template, built offline.
 * :func:`markov_draft` - a DSpark draft whose proposals come only from its Markov head, set to a
   designed table ``D[previous token]``; with ``D`` close to the target's own next-token map the
   draft is right often but not always, which exercises every accepted length.
@@ -91,3 +92,17 @@ def markov_draft(target, table: torch.Tensor, block_size: int = 4, confidence_lo
             proj.weight[0, draft.config.hidden_size:] = confidence_logits
             proj.bias.zero_()
     return draft
+
+
+def tiny_tokenizer(words: list[str]):
+    """A word-level fast tokenizer over ``words`` (+ ``<unk>``, ``<eos>``) with a one-line chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}answer {% endif %}")
+    return tokenizer

@@ -1,0 +1,212 @@
+"""Batched DSpark generation (batch size > 1): lossless per row, ragged caches, rows finishing alone."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import pipeline
+from transformers.generation.streamers import BaseStreamer
+
+import dspark_hf.batched as batched
+from dspark_hf import FixedLengthPolicy, PrefixScheduler
+from dspark_hf.scheduler import VerifyPolicy
+from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table, tiny_tokenizer
+
+VOCAB, BLOCK, EOS, PAD = 48, 4, 5, 0
+SPS = [1 / (1 + 0.12 * b) for b in range(40)]
+
+
+def _left_pad(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _prompts(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, VOCAB, (int(torch.randint(2, 14, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def _alone(target, prompt, max_new):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=PAD)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch,policy", [("llama", "scheduler"), ("qwen3", "fixed")])
+def test_batched_greedy_rows_equal_each_prompt_alone(arch, policy, monkeypatch):
+    compactions, selections = [], []
+    original_compact, original_select = batched._compact, batched._select_rows
+    monkeypatch.setattr(batched, "_compact", lambda *a: compactions.append(1) or original_compact(*a))
+    monkeypatch.setattr(batched, "_select_rows", lambda *a: selections.append(1) or original_select(*a))
+    target = random_target(arch, eos_token_id=EOS, context_scale=0.5)
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
+                         confidence_logits=torch.linspace(-2, 4, VOCAB))
+    draft.verify_policy = PrefixScheduler(SPS) if policy == "scheduler" else FixedLengthPolicy(BLOCK)
+    accepted = [0] * (BLOCK + 1)
+    for seed in range(3):
+        prompts = _prompts(5, seed)
+        ids, mask = _left_pad(prompts)
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=PAD,
+                              assistant_model=draft)
+        for i, prompt in enumerate(prompts):
+            alone = _alone(target, prompt, 60)
+            row = out[i, ids.shape[1]:].tolist()
+            assert row[: len(alone)] == alone, f"seed {seed} row {i}"
+            assert all(t == PAD for t in row[len(alone):])  # a row that stopped early is padded
+        for k, n in enumerate(draft.generation_stats.accepted_length_histogram()):
+            accepted[k] += n
+    assert compactions, "the ragged caches should have been compacted at least once"
+    assert all(n > 0 for n in accepted[:3]), accepted
+
+
+def test_rows_finish_independently_and_leave_the_batch(monkeypatch):
+    kept_sizes = []
+    original_select = batched._select_rows
+    monkeypatch.setattr(batched, "_select_rows", lambda t, d, keep: kept_sizes.append(len(keep)) or original_select(t, d, keep))
+    table = torch.full((VOCAB, VOCAB), -10.0)
+    table[:, 7] = 0.0  # every token is followed by 7 ...
+    table[9, EOS] = 10.0  # ... except 9, followed by EOS
+    target = bigram_target(table, eos_token_id=EOS)
+    draft = markov_draft(target, table, block_size=BLOCK, confidence_logits=torch.full((VOCAB,), 3.0))
+    draft.verify_policy = PrefixScheduler(SPS)
+    ids, mask = _left_pad([[9], [3, 4], [6, 8, 9]])
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
+                          assistant_model=draft)
+    assert out[0, 3:].tolist() == [EOS] + [PAD] * 11
+    assert out[1, 3:].tolist() == [7] * 12
+    assert out[2, 3:].tolist() == [EOS] + [PAD] * 11
+    assert kept_sizes and kept_sizes[0] == 1  # the two finished rows left after the prefill
+
+
+def test_pipeline_with_batch_size():
+    words = [f"w{i}" for i in range(40)] + ["answer"]
+    tokenizer = tiny_tokenizer(words)
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = "<unk>"
+    target = random_target("llama", vocab_size=VOCAB, context_scale=0.5)
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
+                         confidence_logits=torch.linspace(-2, 4, VOCAB))
+    draft.verify_policy = PrefixScheduler(SPS)
+    texts = ["w1 w2 w3", "w5", "w7 w8 w9 w10 w11", "w12 w13"]
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    expected = [pipe(t, max_new_tokens=15, do_sample=False)[0]["generated_text"] for t in texts]
+    got = pipe(texts, max_new_tokens=15, do_sample=False, assistant_model=draft, batch_size=4)
+    assert [g[0]["generated_text"] for g in got] == expected
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"repetition_penalty": 1.2}, "RepetitionPenaltyLogitsProcessor"),
+    ({"max_time": 30.0}, "MaxTimeCriteria"),
+    ({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
+])
+def test_unsupported_batched_settings(kwargs, match):
+    target = random_target("llama")
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)
+    ids, mask = _left_pad([[3, 4], [5, 6, 7]])
+    with pytest.raises(ValueError, match=match):
+        target.generate(ids, attention_mask=mask, max_new_tokens=5, assistant_model=draft, **kwargs)
+
+
+class NullStreamer(BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def test_streamer_needs_batch_size_one():
+    target = random_target("llama")
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)
+    ids, mask = _left_pad([[3, 4], [5, 6, 7]])
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=5, assistant_model=draft, streamer=NullStreamer())
+
+
+# ------------------------------------------------------------------------- sampling, R > 1
+TARGET_PROBS = torch.tensor(
+    [[0.5, 0.2, 0.2, 0.1], [0.7, 0.3, 0.0, 0.0], [0.1, 0.3, 0.3, 0.3], [0.6, 0.1, 0.1, 0.2]]
+)
+DRAFT_PROBS = torch.tensor(
+    [[0.4, 0.3, 0.2, 0.1], [0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.3, 0.3, 0.2, 0.2]]
+)
+CONFIDENCE_LOGITS = torch.tensor([3.0, -4.0, 0.4, 1.7])
+BATCH_SPS = [1.0, 0.8, 0.62, 0.5, 0.42, 0.36, 0.31, 0.27, 0.24, 0.21, 0.19, 0.17]
+ROWS = [[2], [0, 3], [1]]  # last tokens 2, 3, 1: three different exact distributions; row 2 is padded
+NUM_TOKENS, NUM_SAMPLES = 3, 1500
+
+
+class AnticipatingBatchScheduler(VerifyPolicy):
+    """Biased on purpose: each row takes its globally best prefix length (no early stop), so whether
+    x_k is verified depends on c_{k+1}, i.e. on x_k itself (paper Appendix A)."""
+
+    requires_confidences = True
+    sps = [1.0, 0.62, 0.5, 0.42]
+
+    def admit_batch(self, confidences_per_request):
+        lengths = []
+        for confidences in confidences_per_request:
+            best, keep, expected, survival = self.sps[0], 0, 1.0, 1.0
+            for k, c in enumerate(confidences, start=1):
+                survival *= c
+                expected += survival
+                if self.sps[k] * expected > best:
+                    best, keep = self.sps[k] * expected, k
+            lengths.append(keep)
+        return lengths
+
+
+def _log(p):
+    return torch.log(p.clamp_min(1e-12))
+
+
+def _batched_p_values(policy, seed=0):
+    target = bigram_target(_log(TARGET_PROBS))
+    draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
+    draft.verify_policy = policy
+    draft.adaptive_drafting = False
+    ids, mask = _left_pad(ROWS)
+    ids[ids == PAD] = 0
+    torch.manual_seed(seed)
+    counts = [dict() for _ in ROWS]
+    scheduled = [0] * 4
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NUM_TOKENS + 2, do_sample=True,
+                              temperature=1.0, top_k=None, top_p=None, pad_token_id=0, assistant_model=draft)
+        for r in range(len(ROWS)):
+            seq = tuple(out[r, ids.shape[1]: ids.shape[1] + NUM_TOKENS].tolist())
+            counts[r][seq] = counts[r].get(seq, 0) + 1
+        for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()):
+            scheduled[k] += n
+    p_values = []
+    for r, prompt in enumerate(ROWS):
+        chi2, cells = 0.0, 0
+        for seq in itertools.product(range(4), repeat=NUM_TOKENS):
+            p, prev = 1.0, prompt[-1]
+            for y in seq:
+                p *= TARGET_PROBS[prev, y].item()
+                prev = y
+            expected = NUM_SAMPLES * p
+            if expected < 1e-9:
+                assert seq not in counts[r], f"row {r} generated {seq}, which has probability 0"
+                continue
+            chi2 += (counts[r].get(seq, 0) - expected) ** 2 / expected
+            cells += 1
+        p_values.append(torch.special.gammaincc(torch.tensor((cells - 1) / 2.0), torch.tensor(chi2 / 2.0)).item())
+    return p_values, scheduled
+
+
+def test_batched_sampling_matches_the_target_distribution_per_row():
+    p_values, scheduled = _batched_p_values(PrefixScheduler(BATCH_SPS))
+    assert scheduled[0] > 0 and scheduled[1] > 0 and scheduled[3] > 0, scheduled
+    assert min(p_values) > 1e-3, f"a row deviates from the target distribution: p = {p_values}"
+
+
+def test_batched_anticipating_scheduler_is_detected():
+    p_values, _ = _batched_p_values(AnticipatingBatchScheduler())
+    assert min(p_values) < 1e-5, f"the test failed to detect the anticipating scheduler's bias: p = {p_values}"
