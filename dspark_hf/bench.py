@@ -184,6 +184,130 @@ def run_benchmark(
     return records, scheduler
 
 
+# --------------------------------------------------------------------------- batch-size sweep
+def _count_new_tokens(sequences: torch.Tensor, prompt_len: int, eos_ids: set[int]) -> list[list[int]]:
+    """Each row's generated tokens, up to and including its first EOS."""
+    rows = []
+    for row in sequences[:, prompt_len:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+@torch.no_grad()
+def run_batch_sweep(
+    target: PreTrainedModel,
+    draft: DSparkDraftModel,
+    prompts: list[list[int]],
+    batch_sizes: list[int],
+    *,
+    max_new_tokens: int = 64,
+    pad_token_id: int = 0,
+    progress: bool = True,
+) -> list[dict]:
+    """Greedy tokens/s at each batch size R for: transformers' batched generation without
+    speculation, batched DSpark (default policy: the scheduler profiled up to R * (gamma + 1)
+    tokens), and DSpark at R = 1 over the same R prompts one after another. The three run
+    back to back per R, in a rotating order. Also reports the mean verified length per row and
+    round, and whether every DSpark row equals the batched target's row."""
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    draft.verify_policy = None
+    results = []
+    for turn, size in enumerate(tqdm(batch_sizes, desc="batch sizes", disable=not progress)):
+        batch = [prompts[i % len(prompts)] for i in range(size)]
+        width = max(len(p) for p in batch)
+        ids = torch.full((size, width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+        # Untimed warm-up: profiles (or loads) the SPS table for this R.
+        target.generate(ids[:, -4:], attention_mask=mask[:, -4:], max_new_tokens=2, do_sample=False,
+                        pad_token_id=pad_token_id, assistant_model=draft)
+        row = {"batch_size": size}
+        outputs = {}
+
+        def batched_target():
+            return target.generate(ids, attention_mask=mask, **common)
+
+        def batched_dspark():
+            out = target.generate(ids, attention_mask=mask, assistant_model=draft, **common)
+            stats = draft.generation_stats
+            row["mean_verified_per_row_round"] = stats.verified_tokens / max(stats.num_rounds, 1)
+            row["tau_per_row"] = stats.mean_accepted_length
+            return out
+
+        def dspark_one_at_a_time():
+            rows = []
+            for p in batch:
+                single = torch.tensor([p])
+                out = target.generate(single, attention_mask=torch.ones_like(single), assistant_model=draft,
+                                      **common)
+                rows.append(out[0, len(p):].tolist())
+            return rows
+
+        runs = [("target_batched", batched_target), ("dspark_batched", batched_dspark),
+                ("dspark_r1", dspark_one_at_a_time)]
+        for name, run in runs[turn % 3:] + runs[: turn % 3]:
+            start = time.perf_counter()
+            out = run()
+            seconds = time.perf_counter() - start
+            generated = out if name == "dspark_r1" else _count_new_tokens(out, width, eos_ids)
+            if name == "dspark_r1":
+                generated = [r[: next((i + 1 for i, t in enumerate(r) if t in eos_ids), len(r))] for r in generated]
+            outputs[name] = generated
+            row[f"{name}_tokens_per_s"] = sum(len(g) for g in generated) / seconds
+        row["speedup_vs_batched_target"] = row["dspark_batched_tokens_per_s"] / row["target_batched_tokens_per_s"]
+        row["speedup_vs_dspark_r1"] = row["dspark_batched_tokens_per_s"] / row["dspark_r1_tokens_per_s"]
+        row["identical_to_target"] = outputs["dspark_batched"] == outputs["target_batched"]
+        results.append(row)
+    return results
+
+
+def batch_sweep_table(rows: list[dict]) -> str:
+    """The R sweep as a markdown table."""
+    lines = ["| R | target batched tok/s | DSpark batched tok/s | DSpark R=1 tok/s | vs batched target | "
+             "vs DSpark R=1 | verified per row-round | same as target |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | {r['target_batched_tokens_per_s']:.1f} | "
+                     f"{r['dspark_batched_tokens_per_s']:.1f} | {r['dspark_r1_tokens_per_s']:.1f} | "
+                     f"{r['speedup_vs_batched_target']:.2f}x | {r['speedup_vs_dspark_r1']:.2f}x | "
+                     f"{_fmt(r.get('mean_verified_per_row_round'))} | "
+                     f"{'yes' if r['identical_to_target'] else '**NO**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_batch_sweep(rows: list[dict], out_dir: Path) -> Path | None:
+    """batch_sweep.png: throughput and mean verified length against R."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    sizes = [r["batch_size"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("target_batched", "target, batched"), ("dspark_batched", "DSpark, batched"),
+                       ("dspark_r1", "DSpark, one at a time")):
+        left.plot(sizes, [r[f"{key}_tokens_per_s"] for r in rows], marker="o", label=label)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("batch size R")
+    left.set_ylabel("tokens/s")
+    left.legend(fontsize=8)
+    right.plot(sizes, [r.get("mean_verified_per_row_round") or 0.0 for r in rows], marker="o")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("batch size R")
+    right.set_ylabel("draft tokens verified per row and round")
+    fig.tight_layout()
+    path = out_dir / "batch_sweep.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # -------------------------------------------------------------------------------- summarising
 def summarize(records: list[RunRecord], block_size: int = 7) -> list[dict]:
     """One row per (dataset, mode, method) with the reported metrics (see the module docstring).
@@ -374,6 +498,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 prompts per dataset, 48 tokens, fewer methods")
+    parser.add_argument("--batch-sizes", nargs="*", type=int, default=None,
+                        help="also sweep batched greedy generation over these R (e.g. 1 2 4 8 16)")
+    parser.add_argument("--sweep-only", action="store_true", help="run only the batch-size sweep")
     parser.add_argument("--out", default="results/bench")
     args = parser.parse_args(argv)
     if args.quick:
@@ -402,26 +529,41 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = {d: [chat_prompt_ids(tokenizer, p) for p in load_eval_prompts(d, args.num_prompts, args.prompt_dir)]
                for d in args.datasets}
 
-    records, scheduler = run_benchmark(target, drafts, prompts, methods, modes=tuple(args.modes),
-                                       max_new_tokens=args.max_new_tokens, seed=args.seed)
-    block = drafts["dspark"].config.block_size
-    rows = summarize(records, block_size=block)
-    sps_record = load_sps_profile(target, block + 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"environment": environment(), "settings": vars(args), "sps": list(scheduler.sps),
-              "sps_profile": sps_record, "summary": rows,
-              "runs": [asdict(r) for r in records]}
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
-    table = markdown_table(rows)
-    env = result["environment"]
+    env = environment()
     header = (f"Measured {env['date']} on {env.get('cpu_model') or env['machine']} ({env['cpu_count']} cores, "
-              f"{env['torch_threads']} torch threads), torch {env['torch']}, transformers {env['transformers']}; "
-              f"{args.num_prompts} prompts per dataset, {args.max_new_tokens} new tokens.\n\n")
-    (out / "bench.md").write_text(header + table)
-    plots = write_plots(rows, sps_record, out)
-    print(header + table)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {p}" for p in plots))
+              f"{env['torch_threads']} torch threads), torch {env['torch']}, transformers {env['transformers']}.\n\n")
+    result = {"environment": env, "settings": vars(args)}
+    if not args.sweep_only:
+        records, scheduler = run_benchmark(target, drafts, prompts, methods, modes=tuple(args.modes),
+                                           max_new_tokens=args.max_new_tokens, seed=args.seed)
+        block = drafts["dspark"].config.block_size
+        rows = summarize(records, block_size=block)
+        sps_record = load_sps_profile(target, block + 1)
+        result.update({"sps": list(scheduler.sps), "sps_profile": sps_record, "summary": rows,
+                       "runs": [asdict(r) for r in records]})
+        (out / "bench.json").write_text(json.dumps(result, indent=2))
+        table = (f"{args.num_prompts} prompts per dataset, {args.max_new_tokens} new tokens.\n\n"
+                 + markdown_table(rows))
+        (out / "bench.md").write_text(header + table)
+        plots = write_plots(rows, sps_record, out)
+        print(header + table)
+        print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {p}" for p in plots))
+    if args.batch_sizes:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        sweep_prompts = [p for dataset_prompts in prompts.values() for p in dataset_prompts]
+        sweep = run_batch_sweep(target, drafts["dspark"], sweep_prompts, args.batch_sizes,
+                                max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+        result["batch_sweep"] = sweep
+        (out / "batch_sweep.json").write_text(json.dumps({"environment": env, "settings": vars(args),
+                                                          "rows": sweep}, indent=2))
+        table = (f"Greedy, {args.max_new_tokens} new tokens, prompts drawn in turn from "
+                 f"{', '.join(args.datasets)}.\n\n" + batch_sweep_table(sweep))
+        (out / "batch_sweep.md").write_text(header + table)
+        plot = plot_batch_sweep(sweep, out)
+        print(header + table)
+        print(f"wrote {out / 'batch_sweep.json'}, {out / 'batch_sweep.md'}" + (f", {plot}" if plot else ""))
     return result
 
 

@@ -728,6 +728,8 @@ def profile_sps(
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     progress: bool = True,
+    dense_up_to: int = 16,
+    stride: int = 8,
 ) -> list[float]:
     """Measures the target's step rate ``SPS(B)`` for ``B = 1..max_tokens`` new tokens.
 
@@ -756,6 +758,10 @@ def profile_sps(
         cache_dir: cache root; defaults to ``$DSPARK_HF_CACHE`` or ``~/.cache/dspark_hf``.
         use_cache: reuse a cached table when there is one.
         progress: show a tqdm progress bar.
+        dense_up_to, stride: every ``B`` up to ``dense_up_to`` is measured, beyond it every
+            ``stride``-th and ``max_tokens`` (large tables for batched decoding), with step times
+            interpolated linearly in between; ``median_step_seconds`` in the cache file holds the
+            interpolated values and ``measured_sizes`` the measured ``B``.
 
     Returns:
         ``sps`` with ``sps[B - 1]`` = steps per second for ``B`` tokens; positive, non-increasing,
@@ -766,6 +772,8 @@ def profile_sps(
         ("context_length", context_length, 1),
         ("warmup", warmup, 0),
         ("repeats", repeats, 1),
+        ("dense_up_to", dense_up_to, 1),
+        ("stride", stride, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"profile_sps: {name} must be an integer >= {minimum}, got {value!r}.")
@@ -795,7 +803,10 @@ def profile_sps(
         directory,
     )
 
-    sizes = list(range(1, max_tokens + 1))
+    # Every B up to `dense_up_to` (where a CPU's kernels switch paths and the curve is jagged),
+    # then every `stride`-th B and the last one; step time is interpolated linearly in between.
+    sizes = list(range(1, min(max_tokens, dense_up_to) + 1))
+    sizes += [b for b in range(dense_up_to + stride, max_tokens, stride)] + ([max_tokens] if max_tokens > dense_up_to else [])
     samples: dict[int, list[float]] = {b: [] for b in sizes}
     order_rng = random.Random(0)
     was_training = model.training
@@ -803,7 +814,7 @@ def profile_sps(
     try:
         with torch.inference_mode():
             timer = _VerifyStepTimer(model, context_length, max_tokens)
-            with tqdm(total=(warmup + repeats) * max_tokens, desc="Profiling SPS", disable=not progress) as bar:
+            with tqdm(total=(warmup + repeats) * len(sizes), desc="Profiling SPS", disable=not progress) as bar:
                 for round_index in range(warmup + repeats):
                     order = sizes[:]
                     order_rng.shuffle(order)
@@ -816,7 +827,15 @@ def profile_sps(
     finally:
         model.train(was_training)
 
-    medians = [statistics.median(samples[b]) for b in sizes]
+    measured = {b: statistics.median(samples[b]) for b in sizes}
+    medians = []
+    for b in range(1, max_tokens + 1):
+        if b in measured:
+            medians.append(measured[b])
+        else:
+            lo = max(m for m in sizes if m < b)
+            hi = min(m for m in sizes if m > b)
+            medians.append(measured[lo] + (measured[hi] - measured[lo]) * (b - lo) / (hi - lo))
     # A zero time (coarse clock) would give an infinite rate; floor it at the clock resolution.
     floor = time.get_clock_info("perf_counter").resolution or 1e-9
     fitted = [max(t, floor) for t in monotone_step_times(medians)]
@@ -832,6 +851,7 @@ def profile_sps(
         "context_length": context_length,
         "warmup": warmup,
         "repeats": repeats,
+        "measured_sizes": sizes,
         "median_step_seconds": medians,
         "fitted_step_seconds": fitted,
         "sps": sps,

@@ -84,7 +84,8 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
 
     out = tmp_path / "out"
     result = bench.main(["--quick", "--target", str(target_dir), "--dspark", str(dspark_dir), "--dflash",
-                         str(dflash_dir), "--prompt-dir", str(prompt_dir), "--max-new-tokens", "12", "--out", str(out)])
+                         str(dflash_dir), "--prompt-dir", str(prompt_dir), "--max-new-tokens", "12", "--out", str(out),
+                         "--batch-sizes", "1", "3"])
 
     for name in ("bench.json", "bench.md", "speedup.png", "acceptance.png", "sps.png"):
         assert (out / name).is_file(), name
@@ -107,3 +108,9 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
     assert all(max(k for k, n in enumerate(r["scheduled_length_histogram"]) if n) <= 3 for r in fixed)
     assert len(saved["sps"]) == 5 and saved["sps_profile"]["median_step_seconds"]
     assert result["environment"]["torch"] == torch.__version__
+    sweep = json.loads((out / "batch_sweep.json").read_text())["rows"]
+    assert [r["batch_size"] for r in sweep] == [1, 3]
+    for r in sweep:
+        assert r["identical_to_target"] is True
+        assert r["dspark_batched_tokens_per_s"] > 0 and r["speedup_vs_batched_target"] > 0
+    assert (out / "batch_sweep.png").is_file() and "| 3 |" in (out / "batch_sweep.md").read_text()

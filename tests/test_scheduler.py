@@ -409,6 +409,18 @@ def test_profile_sps_measures_and_caches(tiny_llama, tmp_path, monkeypatch):
         profile_sps(model, 4, cache_dir=tmp_path, use_cache=False, **PROFILE_KWARGS)
 
 
+def test_profile_sps_large_tables_measure_a_grid(tiny_llama, tmp_path, monkeypatch):
+    calls = _count_forwards(tiny_llama, monkeypatch)
+    table = profile_sps(tiny_llama, 21, cache_dir=tmp_path, dense_up_to=4, stride=8, **PROFILE_KWARGS)
+    assert len(table) == 21 and all(b <= a for a, b in zip(table, table[1:]))
+    assert sorted({c["n"] for c in calls[1:]}) == [1, 2, 3, 4, 12, 20, 21]
+    record = json.loads(next((tmp_path / "sps").glob("*.json")).read_text())
+    assert record["measured_sizes"] == [1, 2, 3, 4, 12, 20, 21]
+    medians = record["median_step_seconds"]
+    # B = 8 lies halfway between the measured 4 and 12
+    assert medians[7] == pytest.approx((medians[3] + medians[11]) / 2)
+
+
 def test_profile_sps_cache_dir_from_env_and_restores_training_mode(tiny_llama, tmp_path, monkeypatch):
     model = tiny_llama
     monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "env_cache"))
