@@ -213,6 +213,8 @@ def run_batch_sweep(
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     draft.verify_policy = None
+    # One profile covering the largest batch; the smaller batches' tables are read from it.
+    profile_sps(target, max_tokens=max(batch_sizes) * (draft.config.block_size + 1), progress=progress)
     results = []
     for turn, size in enumerate(tqdm(batch_sizes, desc="batch sizes", disable=not progress)):
         batch = [prompts[i % len(prompts)] for i in range(size)]

