@@ -9,11 +9,11 @@ from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf.batched as batched
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
-from dspark_hf.scheduler import VerifyPolicy
+from test_lossless_sampling import CONFIDENCE_LOGITS, DRAFT_PROBS, SPS, TARGET_PROBS, AnticipatingScheduler, _log
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table, tiny_tokenizer
 
 VOCAB, BLOCK, EOS, PAD = 48, 4, 5, 0
-SPS = [1 / (1 + 0.12 * b) for b in range(40)]
+SMOOTH_SPS = [1 / (1 + 0.12 * b) for b in range(40)]
 
 
 def _left_pad(prompts):
@@ -46,7 +46,7 @@ def test_batched_greedy_rows_equal_each_prompt_alone(arch, policy, monkeypatch):
     target = random_target(arch, eos_token_id=EOS, context_scale=0.5)
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
                          confidence_logits=torch.linspace(-2, 4, VOCAB))
-    draft.verify_policy = PrefixScheduler(SPS) if policy == "scheduler" else FixedLengthPolicy(BLOCK)
+    draft.verify_policy = PrefixScheduler(SMOOTH_SPS) if policy == "scheduler" else FixedLengthPolicy(BLOCK)
     accepted = [0] * (BLOCK + 1)
     for seed in range(3):
         prompts = _prompts(5, seed)
@@ -73,7 +73,7 @@ def test_rows_finish_independently_and_leave_the_batch(monkeypatch):
     table[9, EOS] = 10.0  # ... except 9, followed by EOS
     target = bigram_target(table, eos_token_id=EOS)
     draft = markov_draft(target, table, block_size=BLOCK, confidence_logits=torch.full((VOCAB,), 3.0))
-    draft.verify_policy = PrefixScheduler(SPS)
+    draft.verify_policy = PrefixScheduler(SMOOTH_SPS)
     ids, mask = _left_pad([[9], [3, 4], [6, 8, 9]])
     out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
                           assistant_model=draft)
@@ -91,7 +91,7 @@ def test_pipeline_with_batch_size():
     target = random_target("llama", vocab_size=VOCAB, context_scale=0.5)
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
                          confidence_logits=torch.linspace(-2, 4, VOCAB))
-    draft.verify_policy = PrefixScheduler(SPS)
+    draft.verify_policy = PrefixScheduler(SMOOTH_SPS)
     texts = ["w1 w2 w3", "w5", "w7 w8 w9 w10 w11", "w12 w13"]
     pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
     expected = [pipe(t, max_new_tokens=15, do_sample=False)[0]["generated_text"] for t in texts]
@@ -129,40 +129,9 @@ def test_streamer_needs_batch_size_one():
 
 
 # ------------------------------------------------------------------------- sampling, R > 1
-TARGET_PROBS = torch.tensor(
-    [[0.5, 0.2, 0.2, 0.1], [0.7, 0.3, 0.0, 0.0], [0.1, 0.3, 0.3, 0.3], [0.6, 0.1, 0.1, 0.2]]
-)
-DRAFT_PROBS = torch.tensor(
-    [[0.4, 0.3, 0.2, 0.1], [0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.3, 0.3, 0.2, 0.2]]
-)
-CONFIDENCE_LOGITS = torch.tensor([3.0, -4.0, 0.4, 1.7])
 BATCH_SPS = [1.0, 0.8, 0.62, 0.5, 0.42, 0.36, 0.31, 0.27, 0.24, 0.21, 0.19, 0.17]
 ROWS = [[2], [0, 3], [1]]  # last tokens 2, 3, 1: three different exact distributions; row 2 is padded
 NUM_TOKENS, NUM_SAMPLES = 3, 1500
-
-
-class AnticipatingBatchScheduler(VerifyPolicy):
-    """Biased on purpose: each row takes its globally best prefix length (no early stop), so whether
-    x_k is verified depends on c_{k+1}, i.e. on x_k itself (paper Appendix A)."""
-
-    requires_confidences = True
-    sps = [1.0, 0.62, 0.5, 0.42]
-
-    def admit_batch(self, confidences_per_request):
-        lengths = []
-        for confidences in confidences_per_request:
-            best, keep, expected, survival = self.sps[0], 0, 1.0, 1.0
-            for k, c in enumerate(confidences, start=1):
-                survival *= c
-                expected += survival
-                if self.sps[k] * expected > best:
-                    best, keep = self.sps[k] * expected, k
-            lengths.append(keep)
-        return lengths
-
-
-def _log(p):
-    return torch.log(p.clamp_min(1e-12))
 
 
 def _batched_p_values(policy, seed=0):
@@ -208,5 +177,7 @@ def test_batched_sampling_matches_the_target_distribution_per_row():
 
 
 def test_batched_anticipating_scheduler_is_detected():
-    p_values, _ = _batched_p_values(AnticipatingBatchScheduler())
+    # Each row takes its globally best prefix (no early stop): whether x_k is verified then depends on
+    # c_{k+1}, i.e. on x_k itself (paper Appendix A); admit_batch applies it row by row.
+    p_values, _ = _batched_p_values(AnticipatingScheduler(SPS))
     assert min(p_values) < 1e-5, f"the test failed to detect the anticipating scheduler's bias: p = {p_values}"
