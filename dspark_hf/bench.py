@@ -503,10 +503,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-sizes", nargs="*", type=int, default=None,
                         help="also sweep batched greedy generation over these R (e.g. 1 2 4 8 16)")
     parser.add_argument("--sweep-only", action="store_true", help="run only the batch-size sweep")
+    parser.add_argument("--sweep-new-tokens", type=int, default=64, help="new tokens per row in the sweep")
     parser.add_argument("--out", default="results/bench")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_prompts, args.max_new_tokens = min(args.num_prompts, 2), min(args.max_new_tokens, 48)
+        args.sweep_new_tokens = min(args.sweep_new_tokens, 24)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -556,11 +558,11 @@ def main(argv: list[str] | None = None) -> dict:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         sweep_prompts = [p for dataset_prompts in prompts.values() for p in dataset_prompts]
         sweep = run_batch_sweep(target, drafts["dspark"], sweep_prompts, args.batch_sizes,
-                                max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+                                max_new_tokens=args.sweep_new_tokens, pad_token_id=pad)
         result["batch_sweep"] = sweep
         (out / "batch_sweep.json").write_text(json.dumps({"environment": env, "settings": vars(args),
                                                           "rows": sweep}, indent=2))
-        table = (f"Greedy, {args.max_new_tokens} new tokens, prompts drawn in turn from "
+        table = (f"Greedy, {args.sweep_new_tokens} new tokens per row, prompts drawn in turn from "
                  f"{', '.join(args.datasets)}.\n\n" + batch_sweep_table(sweep))
         (out / "batch_sweep.md").write_text(header + table)
         plot = plot_batch_sweep(sweep, out)
