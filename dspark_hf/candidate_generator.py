@@ -202,6 +202,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True if wants_all else self.layer_indices}
         self.policy = resolve_verify_policy(draft, target)
         self.gate = resolve_drafting_gate(draft, self.policy)
+        # Policies with the incremental form decide inside the serial loop (a user policy may only have admit()).
+        self.incremental = type(self.policy).start_round is not VerifyPolicy.start_round
         self.cache = draft.new_cache()
         self.device = draft.fc.weight.device
         # The block input [x0, MASK * (gamma - 1)] and its position offsets, reused every round.
@@ -276,10 +278,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         t0 = time.perf_counter()
         anchor = input_ids[:, -1]
         self.block_ids[:, 0] = anchor.to(self.device)
-        incremental = type(self.policy).start_round is not VerifyPolicy.start_round
         # With incremental admission the LM head runs only once a position is admitted.
         out = self.draft(self.block_ids, self._next_position + self.block_offsets, self.cache,
-                         compute_logits=not incremental)
+                         compute_logits=not self.incremental)
         t1 = time.perf_counter()
         sample = serial_sample(
             self.draft,
@@ -289,11 +290,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             do_sample=self.do_sample,
             logits_processor=self.logits_processor,
             prefix_ids=input_ids,
-            admission=self.policy.start_round() if incremental else None,
+            admission=self.policy.start_round() if self.incremental else None,
             max_positions=budget,
         )
         t2 = time.perf_counter()
-        if incremental:
+        if self.incremental:
             keep = sample.num_admitted
         else:  # a user policy with only admit(): decide on the whole block
             confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
