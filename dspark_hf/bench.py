@@ -369,8 +369,15 @@ def _fmt(value, digits=2, suffix=""):
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _row_order(row: dict) -> tuple:
+    methods = [m.name for m in default_methods()]
+    method = methods.index(row["method"]) if row["method"] in methods else len(methods)
+    return (MODES.index(row["mode"]) if row["mode"] in MODES else 9, row["dataset"], method, row["method"])
+
+
 def markdown_table(rows: list[dict]) -> str:
-    """The summary as a markdown table, rows grouped by dataset and mode."""
+    """The summary as a markdown table, rows grouped by mode and dataset, methods in a fixed order."""
+    rows = sorted(rows, key=_row_order)
     lines = [
         "| dataset | mode | method | tok/s | speedup | tau | verify eff. | drafted | mean verified | "
         "ms/round verify / draft / serial / sched / other | overhead | same as target |",
