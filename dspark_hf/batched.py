@@ -46,10 +46,9 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .candidate_generator import DSparkGenerationStats, RoundStats, resolve_drafting_gate
+from .candidate_generator import DSparkGenerationStats, RoundStats, resolve_drafting_gate, resolve_verify_policy
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
 from .sampling import serial_sample
-from .scheduler import FixedLengthPolicy, PrefixScheduler, profile_sps
 
 SEQUENCE_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
                             TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
@@ -78,26 +77,6 @@ def check_batched_support(logits_processor: LogitsProcessorList | None, stopping
              if getattr(generation_config, name, False)]
     if wants:
         raise ValueError(f"Batched DSpark generation returns sequences only; unset {wants} or use batch size 1.")
-
-
-def resolve_batched_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_rows: int):
-    """``draft.verify_policy``, or the default: the prefix scheduler on an SPS table profiled up to
-    ``R * (gamma + 1)`` tokens (cached on disk), or the full block for a draft without confidences."""
-    policy = draft.verify_policy
-    gamma = draft.config.block_size
-    if policy is None:
-        if draft.confidence_head is None:
-            return FixedLengthPolicy(gamma)
-        cache = draft.__dict__.setdefault("_batched_policies", {})
-        key = (id(target), num_rows)
-        if key not in cache:
-            cache[key] = PrefixScheduler(profile_sps(target, max_tokens=num_rows * (gamma + 1)))
-        return cache[key]
-    if getattr(policy, "requires_confidences", False) and draft.confidence_head is None:
-        raise ValueError(
-            f"verify_policy {type(policy).__name__} needs confidences, but this draft has no confidence head."
-        )
-    return policy
 
 
 def _compact(target_cache: DynamicCache, draft_cache: DraftContextCache, slot_mask: torch.Tensor) -> torch.Tensor:
@@ -178,7 +157,7 @@ def batched_dspark_generate(
     max_new = generation_config.max_length - prompt_len
     if max_new < 1:
         raise ValueError(f"max_length {generation_config.max_length} leaves no room after the {prompt_len}-token prompt.")
-    policy = resolve_batched_policy(draft, target, num_rows)
+    policy = resolve_verify_policy(draft, target, num_rows)
     gate = resolve_drafting_gate(draft, policy)
     layer_indices = [i + 1 for i in draft.config.target_layer_ids]
     stats = DSparkGenerationStats(block_size=gamma)
@@ -309,4 +288,4 @@ def batched_dspark_generate(
     return out
 
 
-__all__ = ["batched_dspark_generate", "check_batched_support", "resolve_batched_policy", "SEQUENCE_FREE_PROCESSORS"]
+__all__ = ["batched_dspark_generate", "check_batched_support", "SEQUENCE_FREE_PROCESSORS"]

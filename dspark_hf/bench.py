@@ -185,13 +185,9 @@ def run_benchmark(
 
 
 # --------------------------------------------------------------------------- batch-size sweep
-def _count_new_tokens(sequences: torch.Tensor, prompt_len: int, eos_ids: set[int]) -> list[list[int]]:
-    """Each row's generated tokens, up to and including its first EOS."""
-    rows = []
-    for row in sequences[:, prompt_len:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        rows.append(row[:end])
-    return rows
+def _until_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS."""
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))]
 
 
 @torch.no_grad()
@@ -255,9 +251,8 @@ def run_batch_sweep(
             start = time.perf_counter()
             out = run()
             seconds = time.perf_counter() - start
-            generated = out if name == "dspark_r1" else _count_new_tokens(out, width, eos_ids)
-            if name == "dspark_r1":
-                generated = [r[: next((i + 1 for i, t in enumerate(r) if t in eos_ids), len(r))] for r in generated]
+            token_rows = out if name == "dspark_r1" else out[:, width:].tolist()
+            generated = [_until_eos(r, eos_ids) for r in token_rows]
             outputs[name] = generated
             row[f"{name}_tokens_per_s"] = sum(len(g) for g in generated) / seconds
         row["speedup_vs_batched_target"] = row["dspark_batched_tokens_per_s"] / row["target_batched_tokens_per_s"]

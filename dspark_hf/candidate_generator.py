@@ -140,17 +140,18 @@ def resolve_drafting_gate(draft: DSparkDraftModel, policy: VerifyPolicy) -> Draf
     return DraftingGate() if choice else None
 
 
-def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel):
-    """The draft's ``verify_policy``, or the default: profiled scheduler with a confidence head, full block without."""
+def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_rows: int = 1):
+    """The draft's ``verify_policy``, or the default: a scheduler on an SPS table profiled up to
+    ``num_rows * (gamma + 1)`` tokens (cached on disk) with a confidence head, the full block without."""
     policy = draft.verify_policy
     has_confidence = draft.confidence_head is not None
     if policy is None:
         if not has_confidence:
             return FixedLengthPolicy(draft.config.block_size)
-        key = id(target)
+        key = (id(target), num_rows)
         cached = getattr(draft, "_default_policy", None)
         if cached is None or cached[0] != key:
-            sps = profile_sps(target, max_tokens=draft.config.block_size + 1)
+            sps = profile_sps(target, max_tokens=num_rows * (draft.config.block_size + 1))
             cached = (key, PrefixScheduler(sps))
             draft._default_policy = cached
         return cached[1]
