@@ -6,11 +6,14 @@ After ``import dspark_hf``, ``target.generate(**inputs, assistant_model=draft)``
 
 from .candidate_generator import DSparkCandidateGenerator, DSparkGenerationStats, RoundStats
 from .configuration_dspark import DSparkConfig, is_dspark_config
+from .cost_model import StepCostModel
+from .cpu_fast_path import optimize_for_cpu
 from .hub import checkpoint_format, export, push_to_hub, register_auto_classes, render_model_card
 from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
 from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .sampling import SerialSample, serial_sample
-from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, profile_sps
+from .scheduler import (DraftingGate, FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy, profile_sps,
+                        shared_cost_model)
 
 __version__ = "0.1.0"
 
@@ -27,6 +30,7 @@ __all__ = [
     "PrefixScheduler",
     "RoundStats",
     "SerialSample",
+    "StepCostModel",
     "ThresholdPolicy",
     "checkpoint_format",
     "default_target_layer_ids",
@@ -34,9 +38,12 @@ __all__ = [
     "install_dspark_dispatch",
     "is_dspark_config",
     "is_dspark_dispatch_installed",
+    "optimize_for_cpu",
     "profile_sps",
     "push_to_hub",
     "register_auto_classes",
     "render_model_card",
     "serial_sample",
+    "shared_cost_model",
+    "VerifyPolicy",
 ]

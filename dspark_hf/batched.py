@@ -266,6 +266,8 @@ def batched_dspark_generate(
                 emitted = emitted[: eos_at + 1]
             generated[r].extend(emitted[: max_new - len(generated[r])])
         verify_time = time.perf_counter() - t4
+        # The scheduler's B counts admitted tokens; the padded forward's cost is charged to it.
+        policy.observe_verify(active + sum(lengths), verify_time)
         # One RoundStats per row, the round's times shared among its rows.
         for k, n in zip(lengths, accepted_list):
             stats.rounds.append(RoundStats(verified=k, accepted=n, draft_time=draft_time / active,

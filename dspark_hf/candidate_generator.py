@@ -29,7 +29,7 @@ from transformers.utils import logging
 
 from .modeling_dspark import DSparkDraftModel
 from .sampling import serial_sample
-from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, VerifyPolicy, profile_sps
+from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, VerifyPolicy, shared_cost_model
 
 logger = logging.get_logger(__name__)
 
@@ -141,20 +141,17 @@ def resolve_drafting_gate(draft: DSparkDraftModel, policy: VerifyPolicy) -> Draf
 
 
 def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_rows: int = 1):
-    """The draft's ``verify_policy``, or the default: a scheduler on an SPS table profiled up to
-    ``num_rows * (gamma + 1)`` tokens (cached on disk) with a confidence head, the full block without."""
+    """The draft's ``verify_policy``, or the default: with a confidence head, a scheduler on the
+    target's live cost model (:func:`~dspark_hf.scheduler.shared_cost_model`: a profiled prior,
+    one per target and process, corrected by every round's verify time) for up to
+    ``num_rows * (gamma + 1)`` tokens; without one (DFlash), the full block."""
     policy = draft.verify_policy
     has_confidence = draft.confidence_head is not None
     if policy is None:
         if not has_confidence:
             return FixedLengthPolicy(draft.config.block_size)
-        key = (id(target), num_rows)
-        cached = getattr(draft, "_default_policy", None)
-        if cached is None or cached[0] != key:
-            sps = profile_sps(target, max_tokens=num_rows * (draft.config.block_size + 1))
-            cached = (key, PrefixScheduler(sps))
-            draft._default_policy = cached
-        return cached[1]
+        return PrefixScheduler(cost_model=shared_cost_model(target),
+                               max_tokens=num_rows * (draft.config.block_size + 1))
     if getattr(policy, "requires_confidences", False) and not has_confidence:
         raise ValueError(
             f"verify_policy {type(policy).__name__} needs confidences, but this draft has no confidence head "
@@ -331,6 +328,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             drafted=p["drafted"],
         )
         self.stats.rounds.append(round_stats)
+        self.policy.observe_verify(round_stats.verified + 1, round_stats.verify_time)
         if self.gate is not None:
             round_seconds = now - self._round_start
             if round_stats.drafted:

@@ -27,7 +27,9 @@ import operator
 import os
 import random
 import statistics
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.utils import logging
+
+from .cost_model import StepCostModel, monotone_step_times
+from .cpu_fast_path import is_optimized_for_cpu
 
 
 logger = logging.get_logger(__name__)
@@ -51,6 +56,8 @@ __all__ = [
     "load_sps_profile",
     "sps_cache_key",
     "default_cache_dir",
+    "shared_cost_model",
+    "StepCostModel",
 ]
 
 
@@ -64,6 +71,13 @@ def _as_float_list(values: Sequence[float]) -> list[float]:
     if hasattr(values, "tolist"):
         values = values.tolist()
     return [float(v) for v in values]
+
+
+def _rate_from_table(table: Sequence[float], num_tokens: int) -> float:
+    """``SPS(B)`` from a table, with time growing linearly in ``B`` beyond its end."""
+    if num_tokens <= len(table):
+        return table[num_tokens - 1]
+    return table[-1] * len(table) / num_tokens
 
 
 def _check_confidence(value: float, position: int) -> None:
@@ -101,6 +115,10 @@ class VerifyPolicy:
         ``trace``, when given, receives the policy's internal scores (see
         :meth:`PrefixScheduler.throughputs`)."""
         raise NotImplementedError
+
+    def observe_verify(self, num_tokens: int, seconds: float) -> None:
+        """Called after each verify forward of ``num_tokens`` tokens that took ``seconds``
+        (a cost-model hook; the default ignores it)."""
 
     def admit(self, confidences: Sequence[float]) -> int:
         """Decides the verification length of one request.
@@ -215,6 +233,15 @@ class PrefixScheduler(VerifyPolicy):
         sps: the profiled step-rate table; ``sps[B - 1]`` is the number of target forward steps
             per second when one forward processes ``B`` tokens. It must be non-empty, finite,
             positive and non-increasing (:func:`profile_sps` returns such a table).
+        live: treat ``sps`` as a prior that the verify times of the rounds correct (a
+            :class:`~dspark_hf.cost_model.StepCostModel` built from it).
+        cost_model: a (shared) live cost model instead of ``sps``; the default scheduler uses one
+            per target and process.
+        max_tokens: length of the table read from a cost model (default: its profiled length).
+
+    With a live cost model the table is read once at the start of each round (in
+    :meth:`start_round` / :meth:`admit_batch`), and only holds times of earlier rounds, so the
+    decision still depends on nothing but past rounds and this round's confidences in order.
 
     For ``B`` beyond the table, the time per step is assumed to grow linearly with ``B`` from the
     last entry, i.e. ``SPS(B) = sps[-1] * len(sps) / B`` (a forward that is compute-bound at the
@@ -232,17 +259,43 @@ class PrefixScheduler(VerifyPolicy):
 
     requires_confidences = True
 
-    def __init__(self, sps: Sequence[float]) -> None:
-        self.sps: tuple[float, ...] = self._validate_table(sps)
+    def __init__(self, sps: Sequence[float] | None = None, *, live: bool = False,
+                 cost_model: StepCostModel | None = None, max_tokens: int | None = None) -> None:
+        if cost_model is None:
+            if sps is None:
+                raise ValueError("PrefixScheduler needs an SPS table (sps=...) or a cost_model.")
+            table = self._validate_table(sps)
+            if live:
+                cost_model = StepCostModel([1.0 / rate for rate in table])
+        elif sps is not None:
+            raise ValueError("PrefixScheduler takes either an SPS table or a cost_model, not both.")
+        self._static_sps = None if cost_model is not None else table
+        self.cost_model = cost_model
+        self.max_tokens = max_tokens or (cost_model.prior_length if cost_model is not None else len(table))
+
+    @property
+    def sps(self) -> tuple[float, ...]:
+        """The step-rate table in use now: the static table, or the live cost model's current one."""
+        if self.cost_model is None:
+            return self._static_sps
+        return self.cost_model.sps(self.max_tokens)
+
+    def observe_verify(self, num_tokens: int, seconds: float) -> None:
+        """With a live cost model: a verify forward of ``num_tokens`` tokens took ``seconds``."""
+        if self.cost_model is not None:
+            self.cost_model.observe(num_tokens, seconds)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, max_tokens: int, **profile_kwargs: Any) -> "PrefixScheduler":
+    def from_model(cls, model: torch.nn.Module, max_tokens: int, *, live: bool = False,
+                   **profile_kwargs: Any) -> "PrefixScheduler":
         """Profiles ``model`` with :func:`profile_sps` (cached on disk) and builds a scheduler.
 
         ``max_tokens`` should cover the largest verify forward, ``R * (gamma + 1)`` tokens for
-        ``R`` requests; beyond it the table is extrapolated (see :meth:`step_rate`).
+        ``R`` requests; beyond it the table is extrapolated (see :meth:`step_rate`). With
+        ``live=True`` the table is a prior that observed verify times correct
+        (:class:`~dspark_hf.cost_model.StepCostModel`).
         """
-        return cls(profile_sps(model, max_tokens, **profile_kwargs))
+        return cls(profile_sps(model, max_tokens, **profile_kwargs), live=live)
 
     @staticmethod
     def _validate_table(sps: Sequence[float]) -> tuple[float, ...]:
@@ -281,16 +334,12 @@ class PrefixScheduler(VerifyPolicy):
         """
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}.")
-        table = self.sps
-        if num_tokens <= len(table):
-            return table[num_tokens - 1]
-        return table[-1] * len(table) / num_tokens
+        return _rate_from_table(self.sps, num_tokens)
 
     # -- single request ------------------------------------------------------------------------
 
     def start_round(self, trace: list[float] | None = None) -> Callable[[float], bool]:
         table = self.sps
-        n_table = len(table)
         tokens = 1  # B: the anchor token is always processed
         expected = 1.0  # E: the anchor/bonus token is always produced
         survival = 1.0
@@ -303,7 +352,7 @@ class PrefixScheduler(VerifyPolicy):
             survival *= confidence
             tokens += 1
             expected += survival
-            rate = table[tokens - 1] if tokens <= n_table else table[-1] * n_table / tokens
+            rate = _rate_from_table(table, tokens)
             theta = rate * expected
             if trace is not None:
                 trace.append(theta)
@@ -356,15 +405,16 @@ class PrefixScheduler(VerifyPolicy):
         # request always comes before position j + 1: admitted positions form a prefix.
         candidates.sort(key=lambda candidate: -candidate[0])
 
+        table = self.sps  # one snapshot per round (a live cost model may change between rounds)
         tokens = num_requests  # B: one anchor token per request
         expected = float(num_requests)  # E: one bonus/corrected token per request
-        best = num_requests * self.step_rate(tokens)
+        best = num_requests * _rate_from_table(table, tokens)
         if trace is not None:
             trace.append(best)
         for survival, r, j in candidates:
             tokens += 1
             expected += survival
-            theta = expected * self.step_rate(tokens)
+            theta = expected * _rate_from_table(table, tokens)
             if trace is not None:
                 trace.append(theta)
             # Early stop (see start_round): everything visited so far has a >= a_{r,j} and comes
@@ -476,34 +526,6 @@ class DraftingGate:
 # ---------------------------------------------------------------------------------------------
 
 
-def monotone_step_times(times: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit of step times (isotonic regression, equal weights).
-
-    Uses pool-adjacent-violators: whenever a time is lower than the one before it, the two are
-    replaced by their mean, and the pooling continues backwards while the order is still
-    violated. A noisy dip is thereby averaged with its neighbours, while a real cliff (a jump up)
-    is kept as it is.
-
-    Args:
-        times: measured seconds per forward for ``B = 1, 2, ...`` tokens.
-
-    Returns:
-        The fitted times, same length as ``times``, non-decreasing.
-    """
-    # Each block is [sum, count]; its fitted value is sum / count.
-    blocks: list[list[float]] = []
-    for t in _as_float_list(times):
-        blocks.append([t, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    fitted: list[float] = []
-    for total, count in blocks:
-        fitted.extend([total / count] * int(count))
-    return fitted
-
-
 def default_cache_dir() -> Path:
     """``$DSPARK_HF_CACHE`` if set, else ``~/.cache/dspark_hf``."""
     env = os.environ.get("DSPARK_HF_CACHE")
@@ -551,6 +573,8 @@ def _environment(model: torch.nn.Module) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "num_threads": None,
+        # Packed oneDNN linears change the curve's shape, so they get their own profile.
+        "cpu_fast_path": is_optimized_for_cpu(model),
     }
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
@@ -858,13 +882,102 @@ def profile_sps(
         "environment": environment,
         "created_unix": time.time(),
     }
-    path = directory / f"{key}.json"
+    _write_record(directory / f"{key}.json", record)
+    return sps
+
+
+def _write_record(path: Path, record: dict) -> bool:
+    """Writes a profile record atomically; a cache that cannot be written is logged, not fatal."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(temporary, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2)
         os.replace(temporary, path)
+        return True
     except OSError as error:
         logger.warning("Could not write the SPS cache file %s (%s).", path, error)
-    return sps
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The live cost model the default scheduler uses: one per target and process
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_PROFILE_TOKENS = 16
+_shared_cost_models: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, StepCostModel]]" = weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
+
+
+def _longest_cached_profile(directory: Path, base_key: str) -> tuple[list[float], Path] | None:
+    lengths = []
+    for path in directory.glob(f"{base_key}-b*.json"):
+        try:
+            lengths.append(int(path.stem.rsplit("-b", 1)[1]))
+        except (IndexError, ValueError):
+            continue
+    for length in sorted(set(lengths), reverse=True):
+        found = _load_cached(directory, base_key, length)
+        if found is not None:
+            return found
+    return None
+
+
+def _rewrite_profile_on_drift(path: Path, record: dict) -> Callable[[StepCostModel], None]:
+    def on_drift(cost_model: StepCostModel) -> None:
+        length = cost_model.prior_length
+        logger.warning(
+            "The target's live step times differ from its profiled SPS table by up to x%.2f after %d rounds "
+            "(a profile taken under load, at another context length or on another machine state); the "
+            "scheduler uses the live times, and the cache file %s is updated with them.",
+            cost_model.drift(), cost_model.num_observations, path,
+        )
+        updated = dict(record)
+        updated["fitted_step_seconds"] = cost_model.step_seconds(length)
+        updated["sps"] = list(cost_model.sps(length))
+        updated["live_corrected"] = {"observations": cost_model.num_observations, "updated_unix": time.time()}
+        _write_record(path, updated)
+
+    return on_drift
+
+
+def shared_cost_model(
+    model: torch.nn.Module,
+    *,
+    profile_tokens: int = DEFAULT_PROFILE_TOKENS,
+    context_length: int = 256,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> StepCostModel:
+    """The live cost model of ``model`` in this process (what the default scheduler uses).
+
+    Built once per target, process and environment (see :func:`sps_cache_key`), from the longest
+    SPS profile cached on disk (``dspark-hf profile`` writes one ahead of time), or else from a
+    fresh profile of ``profile_tokens`` tokens (a few seconds). Larger verify forwards (batched
+    decoding) are not profiled again: the table is extrapolated beyond its end and the observed
+    verify times correct it. When the live times drift far from the profile, a warning is logged
+    and the cache file is rewritten with the live estimate.
+    """
+    directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "sps"
+    base_key = _base_key(model, context_length)
+    with _shared_lock:
+        per_model = _shared_cost_models.setdefault(model, {})
+        cost_model = per_model.get(base_key)
+        if cost_model is not None:
+            return cost_model
+        found = _longest_cached_profile(directory, base_key) if directory.is_dir() else None
+        if found is None:
+            sps = profile_sps(model, profile_tokens, context_length=context_length, cache_dir=cache_dir,
+                              use_cache=False, progress=progress)
+            path = directory / f"{base_key}-b{profile_tokens}.json"
+        else:
+            sps, path = found
+            logger.info("Using the cached SPS table %s as the cost model's prior.", path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            record = {"sps": sps}
+        cost_model = StepCostModel([1.0 / rate for rate in sps], on_drift=_rewrite_profile_on_drift(path, record))
+        per_model[base_key] = cost_model
+        return cost_model

@@ -5,7 +5,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from dspark_hf import FixedLengthPolicy, PrefixScheduler
+from dspark_hf import FixedLengthPolicy, PrefixScheduler, shared_cost_model
 from tiny_models import markov_draft, random_target, target_next_token_table
 
 BLOCK = 4
@@ -77,8 +77,11 @@ def test_default_policy_profiles_and_generates():
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
     got = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft)
     assert got.tolist() == expected.tolist()
-    assert isinstance(draft._default_policy[1], PrefixScheduler)
-    assert len(draft._default_policy[1].sps) == BLOCK + 1
+    # The default scheduler reads the target's live cost model: profiled once (covering the block),
+    # then corrected by every round's verify time.
+    cost_model = shared_cost_model(target)
+    assert cost_model.prior_length >= BLOCK + 1
+    assert cost_model.num_observations == draft.generation_stats.num_rounds > 0
 
 
 def test_dflash_draft_verifies_full_block_by_default():

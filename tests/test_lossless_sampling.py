@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from dspark_hf import PrefixScheduler
+from dspark_hf import PrefixScheduler, StepCostModel
 from dspark_hf.scheduler import DraftingGate, VerifyPolicy
 from tiny_models import bigram_target, markov_draft
 
@@ -135,3 +135,33 @@ def test_anticipating_scheduler_is_detected_as_biased():
 def test_sampling_lossless_when_a_gate_skips_drafting_from_past_rounds():
     p_value, scheduled = _chi_square_p_value(PrefixScheduler(SPS), gate=PastAcceptanceGate())
     assert p_value > 1e-3, f"DSpark output with a drafting gate deviates from the target (p={p_value:.2e})"
+
+
+class SwingingLiveScheduler(PrefixScheduler):
+    """A live scheduler whose cost model (the real :class:`StepCostModel` with windows of one: the
+    latest observation replaces the estimate) is fed verify times that swing from round to round between
+    a flat curve (verify much) and a steep one (verify little). The table changes during
+    generation, driven by past rounds only, as the live cost model's is."""
+
+    def __init__(self):
+        super().__init__(cost_model=StepCostModel([1.0 / r for r in SPS], window=1, size_window=1, shrinkage=0.0))
+        self.observed = 0
+        self.tables_seen = set()
+
+    def start_round(self, trace=None):
+        self.tables_seen.add(self.sps)
+        return super().start_round(trace)
+
+    def observe_verify(self, num_tokens, seconds):
+        self.observed += 1
+        steep = self.observed % 3 == 0
+        synthetic = self.cost_model.prior(num_tokens) * (6.0 if steep and num_tokens > 1 else 0.3)
+        super().observe_verify(num_tokens, synthetic)
+
+
+def test_sampling_lossless_with_a_cost_model_that_changes_during_generation():
+    policy = SwingingLiveScheduler()
+    p_value, scheduled = _chi_square_p_value(policy)
+    assert len(policy.tables_seen) > 2, "the cost model should change the scheduler's table during generation"
+    assert all(n > 0 for n in scheduled), f"scheduler should admit every length 0..3, got {scheduled}"
+    assert p_value > 1e-3, f"DSpark output with a changing cost model deviates from the target (p={p_value:.2e})"

@@ -1,0 +1,149 @@
+"""The live cost model: a wrong profile is corrected by observed verify times, robustly, monotonically;
+one model per target and process; a profile far from the live times is reported and rewritten."""
+
+import json
+import logging
+import math
+import random
+
+import pytest
+import torch
+
+import dspark_hf.scheduler as scheduler_module
+from dspark_hf import FixedLengthPolicy, PrefixScheduler, StepCostModel, shared_cost_model
+from dspark_hf.scheduler import sps_cache_key
+from tiny_models import markov_draft, random_target, target_next_token_table
+
+TRUE_SECONDS = [0.050, 0.056, 0.052, 0.053, 0.054, 0.056, 0.058, 0.060]  # a flat CPU curve (ms-level noise)
+
+
+def _truth(b):
+    return TRUE_SECONDS[b - 1]
+
+
+def _feed(model, rounds, seed=0, outliers=0.05):
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        b = rng.randint(1, len(TRUE_SECONDS))
+        seconds = _truth(b) * math.exp(rng.gauss(0.0, 0.05))
+        if rng.random() < outliers:
+            seconds *= 10.0  # a page fault or a GC pause
+        model.observe(b, seconds)
+
+
+@pytest.mark.parametrize("factor", [3.0, 1 / 3])
+def test_a_profile_wrong_by_a_factor_is_corrected_within_a_few_dozen_rounds(factor):
+    model = StepCostModel([t * factor for t in TRUE_SECONDS])
+    _feed(model, 40)
+    estimate = model.step_seconds(len(TRUE_SECONDS))
+    errors = [abs(e / t - 1.0) for e, t in zip(estimate, TRUE_SECONDS)]
+    assert max(errors) < 0.15, errors
+
+
+def test_a_profile_with_the_wrong_shape_is_corrected_where_observed():
+    steep = [0.065, 0.108, 0.096, 0.095, 0.095, 0.097, 0.099, 0.100]  # profiled stock, running packed
+    model = StepCostModel(steep)
+    _feed(model, 60, seed=1)
+    estimate = model.step_seconds(8)
+    assert estimate[1] / estimate[0] < 1.25  # the cliff at B = 2 is gone
+    assert all(abs(e / t - 1.0) < 0.2 for e, t in zip(estimate, TRUE_SECONDS))
+
+
+def test_one_outlier_moves_the_estimate_little():
+    model = StepCostModel(TRUE_SECONDS)
+    _feed(model, 50, outliers=0.0)
+    before = model.seconds(3)
+    model.observe(3, before * 100.0)
+    assert model.seconds(3) / before < 1.05  # medians of recent rounds: one outlier changes nothing
+
+
+def test_the_table_stays_non_increasing_and_positive():
+    model = StepCostModel(TRUE_SECONDS)
+    rng = random.Random(3)
+    for _ in range(200):
+        model.observe(rng.randint(1, 12), rng.uniform(0.001, 1.0))
+        table = model.sps(12)
+        assert all(r > 0 for r in table) and all(table[i] <= table[i - 1] for i in range(1, len(table)))
+
+
+def test_bad_observations_are_ignored_and_bad_priors_rejected():
+    model = StepCostModel(TRUE_SECONDS)
+    for seconds in (0.0, -1.0, float("nan"), float("inf")):
+        model.observe(2, seconds)
+    model.observe(0, 0.05)
+    assert model.num_observations == 0
+    with pytest.raises(ValueError, match="positive finite"):
+        StepCostModel([0.05, float("nan")])
+    with pytest.raises(ValueError, match="window"):
+        StepCostModel(TRUE_SECONDS, window=0)
+
+
+def test_drift_is_reported_once_per_change():
+    reports = []
+    model = StepCostModel([t * 3.0 for t in TRUE_SECONDS], on_drift=reports.append)
+    _feed(model, 15, outliers=0.0)
+    assert reports == []  # not before min_observations
+    _feed(model, 60, seed=5, outliers=0.0)
+    assert len(reports) == 1 and reports[0] is model
+
+
+def test_live_scheduler_reads_corrected_table():
+    table = [1 / t for t in sorted(TRUE_SECONDS)]
+    scheduler = PrefixScheduler(table, live=True)
+    static = PrefixScheduler(table)
+    for _ in range(30):
+        scheduler.observe_verify(1, 0.2)  # the machine got 4x slower
+        static.observe_verify(1, 0.2)
+    assert static.sps == tuple(table)
+    assert scheduler.sps[0] == pytest.approx(5.0, rel=0.1)
+    with pytest.raises(ValueError, match="either"):
+        PrefixScheduler([1.0], cost_model=StepCostModel([1.0]))
+    with pytest.raises(ValueError, match="needs"):
+        PrefixScheduler()
+
+
+def _pair():
+    target = random_target("llama")
+    draft = markov_draft(target, target_next_token_table(target), block_size=4,
+                         confidence_logits=torch.full((48,), 2.0))
+    return target, draft
+
+
+def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch):
+    target, draft = _pair()
+    calls = []
+    profile = scheduler_module.profile_sps
+    monkeypatch.setattr(scheduler_module, "profile_sps", lambda *a, **k: calls.append(a[1]) or profile(*a, **k))
+    prompts = torch.randint(3, 48, (3, 6))
+    for rows in (1, 2, 3, 1):
+        batch = prompts[:rows]
+        expected = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False)
+        got = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False,
+                              assistant_model=draft)
+        assert got.tolist() == expected.tolist()
+    assert calls == [scheduler_module.DEFAULT_PROFILE_TOKENS]  # profiled once, for the first call only
+    assert shared_cost_model(target).num_observations > 0
+
+
+def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):
+    target, draft = _pair()
+    key = sps_cache_key(target, 8)
+    path = tmp_path / "sps" / f"{key}.json"
+    path.parent.mkdir(parents=True)
+    absurd = [1 / 10.0] * 8  # 10 s per step: far slower than this tiny model
+    path.write_text(json.dumps({"sps": absurd}))
+    model = shared_cost_model(target, cache_dir=tmp_path)
+    assert model.prior(1) == pytest.approx(10.0)
+    draft.verify_policy = PrefixScheduler(cost_model=model, max_tokens=5)
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.scheduler"):
+        target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft)
+    assert "differ from its profiled SPS table" in caplog.text and str(path) in caplog.text
+    rewritten = json.loads(path.read_text())
+    assert rewritten["live_corrected"]["observations"] >= 16
+    assert rewritten["sps"][0] > 10 * absurd[0]
+
+
+def test_fixed_policies_ignore_observations():
+    policy = FixedLengthPolicy(3)
+    policy.observe_verify(4, 1.0)  # the hook exists on every policy and is a no-op here
+    assert policy.admit([0.1, 0.1, 0.1, 0.1]) == 3

@@ -1,0 +1,151 @@
+"""optimize_for_cpu: same numbers, same generations, safe with ties, saving, device_map and autograd."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import dspark_hf.cpu_fast_path as fast_path
+from dspark_hf import FixedLengthPolicy, optimize_for_cpu
+from dspark_hf.cpu_fast_path import PackedLinear, is_optimized_for_cpu
+from tiny_models import markov_draft, random_target, target_next_token_table
+
+pytestmark = pytest.mark.skipif(fast_path.fast_path_unavailable_reason() is not None,
+                                reason=f"oneDNN packed linears unavailable: {fast_path.fast_path_unavailable_reason()}")
+
+
+def _prompts(n, seed=0, vocab=48):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (1, int(torch.randint(4, 20, (1,), generator=generator))), generator=generator)
+            for _ in range(n)]
+
+
+def _count_packed(model):
+    return sum(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_logits_and_greedy_generation_equal_the_stock_model(arch):
+    stock = random_target(arch, num_layers=3)
+    fast = optimize_for_cpu(copy.deepcopy(stock))
+    assert _count_packed(fast) == sum(isinstance(m, torch.nn.Linear) for m in stock.modules()) > 0
+    ids = torch.randint(0, 48, (2, 23))
+    with torch.no_grad():
+        expected, got = stock(ids).logits, fast(ids).logits
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got - expected).abs().max()
+    for prompt in _prompts(6, seed=1):
+        assert (fast.generate(prompt, max_new_tokens=24, do_sample=False).tolist()
+                == stock.generate(prompt, max_new_tokens=24, do_sample=False).tolist())
+
+
+def test_dspark_with_prepared_target_and_draft_is_identical_to_the_stock_target():
+    stock = random_target("llama")
+    target = optimize_for_cpu(copy.deepcopy(stock))
+    draft = markov_draft(target, target_next_token_table(target), block_size=4)
+    draft.verify_policy = FixedLengthPolicy(4)
+    optimize_for_cpu(draft)
+    assert is_optimized_for_cpu(draft)
+    for prompt in _prompts(4, seed=2):
+        expected = stock.generate(prompt, max_new_tokens=30, do_sample=False)
+        got = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=draft)
+        assert got.tolist() == expected.tolist()
+    assert draft.generation_stats.accepted_tokens > 0
+
+
+def test_idempotent():
+    model = optimize_for_cpu(random_target("llama"))
+    packed = {name: m._dspark_packed_weight[1] for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert optimize_for_cpu(model) is model
+    again = {name: m._dspark_packed_weight[1] for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert packed.keys() == again.keys() and all(packed[k] is again[k] for k in packed)
+
+
+def test_tied_embeddings_and_save_pretrained_write_ordinary_weights(tmp_path):
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    assert stock.lm_head.weight is stock.model.embed_tokens.weight
+    model = optimize_for_cpu(copy.deepcopy(stock))
+    assert isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie is untouched
+    assert set(model.state_dict()) == set(stock.state_dict())
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not is_optimized_for_cpu(reloaded)
+    for name, tensor in stock.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    prompt = _prompts(1)[0]
+    assert (model.generate(prompt, max_new_tokens=16, do_sample=False).tolist()
+            == stock.generate(prompt, max_new_tokens=16, do_sample=False).tolist())
+
+
+def test_weights_changed_after_packing_are_repacked():
+    model = optimize_for_cpu(random_target("llama"))
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # in place: the version counter moves
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # replaced
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5)
+
+
+def test_autograd_uses_the_stock_path():
+    model = optimize_for_cpu(random_target("llama"))
+    ids = torch.randint(0, 48, (1, 9))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_unhandled_dtypes_are_left_alone_and_logged(caplog):
+    model = random_target("llama").to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="dspark_hf.cpu_fast_path"):
+        optimize_for_cpu(model)
+    assert _count_packed(model) == 0
+    assert "dtype torch.bfloat16" in caplog.text
+
+
+def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
+    def broken(x, packed, bias):
+        return torch.zeros(*x.shape[:-1], 24)
+
+    monkeypatch.setattr(fast_path, "_packed_linear", broken)
+    reason = fast_path.fast_path_unavailable_reason()
+    assert reason is not None and "different from F.linear" in reason
+    model = random_target("llama")
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.cpu_fast_path"):
+        optimize_for_cpu(model)
+    assert _count_packed(model) == 0
+    assert "keeping the stock linear layers" in caplog.text
+
+
+def test_device_map_with_offloaded_layers(tmp_path, monkeypatch):
+    stock = random_target("llama", num_layers=4)
+    stock.save_pretrained(tmp_path / "target")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+                  "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "target", device_map=device_map,
+                                                     offload_folder=str(tmp_path / "offload"))
+    optimize_for_cpu(offloaded)
+    calls = []
+    packed_linear = fast_path._packed_linear
+    monkeypatch.setattr(fast_path, "_packed_linear", lambda *args: calls.append(1) or packed_linear(*args))
+    assert isinstance(offloaded.model.layers[0].mlp.up_proj, PackedLinear)  # on the CPU: packed
+    assert not isinstance(offloaded.model.layers[3].mlp.up_proj, PackedLinear)  # on disk: left alone
+    draft = markov_draft(stock, target_next_token_table(stock), block_size=4)
+    draft.verify_policy = FixedLengthPolicy(4)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    expected = stock.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert offloaded.generate(prompt, max_new_tokens=16, do_sample=False).tolist() == expected.tolist()
+    got = offloaded.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft)
+    assert got.tolist() == expected.tolist()
+    assert calls  # accelerate's hooks route through the packed forward
+
+
+def test_rejects_non_modules():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        optimize_for_cpu("not a model")
