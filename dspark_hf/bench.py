@@ -3,8 +3,13 @@
 Every method runs on the same prompts in the same process, interleaved prompt by prompt (the
 order of methods rotates from one prompt to the next), so drift of the machine hits all alike:
 
-* ``target``: the target alone (``model.generate`` without an assistant);
-* ``dspark-scheduler``: DSpark with the profiled prefix scheduler and the drafting gate;
+* ``target``: the target alone (``model.generate`` without an assistant), prepared the way the
+  README tells CPU users to (:func:`~dspark_hf.optimize_for_cpu`; ``--no-fast-path`` turns it off).
+  Every speedup is against this;
+* ``target-stock``: the stock target alone (no fast path), so the gain from the fast path and the
+  gain from speculation read separately ("vs stock" column);
+* ``dspark-scheduler``: DSpark with its default policy: the prefix scheduler on the live cost
+  model (a profiled prior corrected by every round) and the drafting gate;
 * ``dspark-fixed-{1,3,7}``: DSpark verifying a fixed number of draft tokens;
 * ``dspark-threshold``: DSpark with a static confidence threshold on prefix survival;
 * ``dflash-fixed-7``: the DFlash ablation (no Markov head, no confidence head), full block;
@@ -30,6 +35,7 @@ PNG plots (``speedup.png``, ``acceptance.png``, ``sps.png``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -45,7 +51,8 @@ from transformers.utils import logging
 from .candidate_generator import DSparkGenerationStats, RoundStats
 from .evaluation import DATASETS, load_eval_prompts, merge_stats
 from .modeling_dspark import DSparkDraftModel
-from .scheduler import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, load_sps_profile, profile_sps
+from .cpu_fast_path import optimize_for_cpu
+from .scheduler import FixedLengthPolicy, ThresholdPolicy, load_sps_profile, shared_cost_model
 
 logger = logging.get_logger(__name__)
 
@@ -55,7 +62,7 @@ MODES = ("greedy", "sample")
 
 @dataclass(frozen=True)
 class BenchMethod:
-    """One way of generating. ``kind``: "target", "dspark", "prompt-lookup" or "early-exit".
+    """One way of generating. ``kind``: "target", "target-stock", "dspark", "prompt-lookup" or "early-exit".
 
     For "dspark", ``draft`` names an entry of the drafts passed to :func:`run_benchmark` and
     ``policy`` is "scheduler", ("fixed", k) or ("threshold", t).
@@ -69,7 +76,8 @@ class BenchMethod:
 
 def default_methods(dspark: str = "dspark", dflash: str | None = "dflash", *, quick: bool = False) -> list[BenchMethod]:
     """The issue's method list (a shorter one with ``quick``)."""
-    methods = [BenchMethod("target", "target"), BenchMethod("dspark-scheduler", "dspark", dspark, "scheduler")]
+    methods = [BenchMethod("target", "target"), BenchMethod("target-stock", "target-stock"),
+               BenchMethod("dspark-scheduler", "dspark", dspark, "scheduler")]
     lengths = (3,) if quick else (1, 3, 7)
     methods += [BenchMethod(f"dspark-fixed-{k}", "dspark", dspark, ("fixed", k)) for k in lengths]
     if not quick:
@@ -99,20 +107,22 @@ class RunRecord:
 
 
 # ------------------------------------------------------------------------------------ running
-def _policy(method: BenchMethod, scheduler: PrefixScheduler):
+def _policy(method: BenchMethod):
     if method.policy == "scheduler":
-        return scheduler
+        return None  # the default: what a user gets
     kind, value = method.policy
     return FixedLengthPolicy(value) if kind == "fixed" else ThresholdPolicy(value)
 
 
-def _generate(target, method: BenchMethod, drafts, scheduler, ids, mode, max_new_tokens, early_exit_layer):
+def _generate(target, stock_target, method: BenchMethod, drafts, ids, mode, max_new_tokens, early_exit_layer):
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=mode == "sample",
                   temperature=1.0, top_k=None, top_p=None)
     if method.kind == "dspark":
         draft = drafts[method.draft]
-        draft.verify_policy = _policy(method, scheduler)
+        draft.verify_policy = _policy(method)
         kwargs["assistant_model"] = draft
+    elif method.kind == "target-stock":
+        return stock_target.generate(ids, **kwargs)
     elif method.kind == "prompt-lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
     elif method.kind == "early-exit":
@@ -131,19 +141,21 @@ def run_benchmark(
     max_new_tokens: int = 256,
     seed: int = 0,
     progress: bool = True,
-) -> tuple[list[RunRecord], PrefixScheduler]:
+    stock_target: PreTrainedModel | None = None,
+) -> tuple[list[RunRecord], list[float]]:
     """Runs every method on every prompt (token id lists per dataset) in every mode, interleaved.
 
-    Returns the per-run records and the scheduler (its SPS table) the scheduler method used.
+    ``stock_target`` runs the ``target-stock`` method (the target without the CPU fast path).
+    Returns the per-run records and the scheduler's SPS table at the end (the live cost model's).
     """
     block = max((d.config.block_size for d in drafts.values()), default=7)
-    scheduler = PrefixScheduler(profile_sps(target, max_tokens=block + 1, progress=progress))
+    cost_model = shared_cost_model(target, progress=progress)
     early_exit_layer = max(1, target.config.num_hidden_layers // 3)
     # Warm-up: one short generation per method, so lazy initialisation is not timed.
     warm_ids = torch.tensor([next(iter(prompts.values()))[0]])
     for method in methods:
         try:
-            _generate(target, method, drafts, scheduler, warm_ids, "greedy", 8, early_exit_layer)
+            _generate(target, stock_target, method, drafts, warm_ids, "greedy", 8, early_exit_layer)
         except Exception:  # reported per run below
             pass
     records: list[RunRecord] = []
@@ -162,7 +174,7 @@ def run_benchmark(
                     torch.manual_seed(seed + index)
                     try:
                         start = time.perf_counter()
-                        out = _generate(target, method, drafts, scheduler, ids, mode, max_new_tokens,
+                        out = _generate(target, stock_target, method, drafts, ids, mode, max_new_tokens,
                                         early_exit_layer)
                         record.seconds = time.perf_counter() - start
                     except Exception as error:  # e.g. early exit unsupported by this architecture
@@ -181,7 +193,7 @@ def run_benchmark(
                         if record.method in outputs and record.method != "target":
                             record.identical = outputs[record.method] == outputs["target"]
     bar.close()
-    return records, scheduler
+    return records, list(cost_model.sps(block + 1))
 
 
 # --------------------------------------------------------------------------- batch-size sweep
@@ -202,15 +214,15 @@ def run_batch_sweep(
     progress: bool = True,
 ) -> list[dict]:
     """Greedy tokens/s at each batch size R for: transformers' batched generation without
-    speculation, batched DSpark (default policy: the scheduler profiled up to R * (gamma + 1)
-    tokens), and DSpark at R = 1 over the same R prompts one after another. The three run
+    speculation, batched DSpark (default policy: the scheduler on the live cost model, for up to
+    R * (gamma + 1) tokens), and DSpark at R = 1 over the same R prompts one after another. The three run
     back to back per R, in a rotating order. Also reports the mean verified length per row and
     round, and whether every DSpark row equals the batched target's row."""
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     draft.verify_policy = None
     # One profile covering the largest batch; the smaller batches' tables are read from it.
-    profile_sps(target, max_tokens=max(batch_sizes) * (draft.config.block_size + 1), progress=progress)
+    shared_cost_model(target, progress=progress)  # profiled once; larger batches extrapolate and learn live
     results = []
     for turn, size in enumerate(tqdm(batch_sizes, desc="batch sizes", disable=not progress)):
         batch = [prompts[i % len(prompts)] for i in range(size)]
@@ -353,10 +365,11 @@ def summarize(records: list[RunRecord], block_size: int = 7) -> list[dict]:
             # Overhead outside the two forwards, as a share of the round.
             row["overhead_share"] = (wall - timings["target_verify"] - timings["draft_forward"]) / wall if wall > 0 else None
         rows.append(row)
-    baseline = {(r["dataset"], r["mode"]): r["tokens_per_s"] for r in rows if r["method"] == "target"}
-    for row in rows:
-        base = baseline.get((row["dataset"], row["mode"]))
-        row["speedup"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+    for column, base_method in (("speedup", "target"), ("speedup_vs_stock", "target-stock")):
+        baseline = {(r["dataset"], r["mode"]): r["tokens_per_s"] for r in rows if r["method"] == base_method}
+        for row in rows:
+            base = baseline.get((row["dataset"], row["mode"]))
+            row[column] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
     return rows
 
 
@@ -374,9 +387,9 @@ def markdown_table(rows: list[dict]) -> str:
     """The summary as a markdown table, rows grouped by mode and dataset, methods in a fixed order."""
     rows = sorted(rows, key=_row_order)
     lines = [
-        "| dataset | mode | method | tok/s | speedup | tau | verify eff. | drafted | mean verified | "
+        "| dataset | mode | method | tok/s | speedup | vs stock | tau | verify eff. | drafted | mean verified | "
         "ms/round verify / draft / serial / sched / other | overhead | same as target |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for row in rows:
         split = row.get("ms_per_round")
@@ -385,11 +398,11 @@ def markdown_table(rows: list[dict]) -> str:
         same = {True: "yes", False: "**NO**", None: "-"}[row["identical_to_target"]]
         if row["errors"] and row["tokens_per_s"] is None:
             lines.append(f"| {row['dataset']} | {row['mode']} | {row['method']} | error: {row['errors'][0][:60]} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         lines.append(
             f"| {row['dataset']} | {row['mode']} | {row['method']} | {_fmt(row['tokens_per_s'], 1)} | "
-            f"{_fmt(row['speedup'], 2, 'x')} | {_fmt(row.get('tau'))} | {_fmt(row.get('verify_efficiency'))} | "
+            f"{_fmt(row['speedup'], 2, 'x')} | {_fmt(row.get('speedup_vs_stock'), 2, 'x')} | {_fmt(row.get('tau'))} | {_fmt(row.get('verify_efficiency'))} | "
             f"{_fmt(None if row.get('drafted_fraction') is None else 100 * row['drafted_fraction'], 0, '%')} | "
             f"{_fmt(row.get('mean_scheduled_length'))} | {split_text} | "
             f"{_fmt(None if row.get('overhead_share') is None else 100 * row['overhead_share'], 1, '%')} | {same} |"
@@ -397,7 +410,8 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_plots(rows: list[dict], sps_record: dict | None, out_dir: Path) -> list[Path]:
+def write_plots(rows: list[dict], sps_record: dict | None, out_dir: Path,
+                live_sps: list[float] | None = None) -> list[Path]:
     """speedup.png, acceptance.png and sps.png (needs matplotlib; returns the files written)."""
     try:
         import matplotlib
@@ -444,8 +458,12 @@ def write_plots(rows: list[dict], sps_record: dict | None, out_dir: Path) -> lis
     if sps_record is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
         sizes = list(range(1, len(sps_record["sps"]) + 1))
-        ax.plot(sizes, [1e3 * t for t in sps_record["median_step_seconds"]], "o", label="measured median")
-        ax.plot(sizes, [1e3 * t for t in sps_record["fitted_step_seconds"]], "-", label="monotone fit (used)")
+        if "median_step_seconds" in sps_record:
+            ax.plot(sizes, [1e3 * t for t in sps_record["median_step_seconds"]], "o", label="measured median")
+        ax.plot(sizes, [1e3 / r for r in sps_record["sps"]], "-", label="monotone fit (prior)")
+        if live_sps:
+            ax.plot(range(1, len(live_sps) + 1), [1e3 / r for r in live_sps], "--",
+                    label="live cost model at the end (used)")
         ax.set_xlabel("tokens per target forward B (1 + verified draft tokens)")
         ax.set_ylabel("ms per step")
         hist = [0] * len(sizes)
@@ -507,6 +525,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-only", action="store_true", help="run only the batch-size sweep")
     parser.add_argument("--sweep-new-tokens", type=int, default=64, help="new tokens per row in the sweep")
     parser.add_argument("--out", default="results/bench")
+    parser.add_argument("--no-fast-path", action="store_true",
+                        help="do not prepare the target and drafts with optimize_for_cpu (then target = target-stock)")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_prompts, args.max_new_tokens = min(args.num_prompts, 2), min(args.max_new_tokens, 48)
@@ -526,6 +546,11 @@ def main(argv: list[str] | None = None) -> dict:
     drafts = {"dspark": DSparkDraftModel.from_pretrained(args.dspark).float().eval()}
     if args.dflash.lower() != "none":
         drafts["dflash"] = DSparkDraftModel.from_pretrained(args.dflash).float().eval()
+    stock_target = copy.deepcopy(target)
+    if not args.no_fast_path:
+        optimize_for_cpu(target)
+        for draft in drafts.values():
+            optimize_for_cpu(draft)
     methods = default_methods("dspark", "dflash" if "dflash" in drafts else None, quick=args.quick)
     if args.methods:
         unknown = set(args.methods) - {m.name for m in methods}
@@ -542,18 +567,19 @@ def main(argv: list[str] | None = None) -> dict:
               f"{env['torch_threads']} torch threads), torch {env['torch']}, transformers {env['transformers']}.\n\n")
     result = {"environment": env, "settings": vars(args)}
     if not args.sweep_only:
-        records, scheduler = run_benchmark(target, drafts, prompts, methods, modes=tuple(args.modes),
-                                           max_new_tokens=args.max_new_tokens, seed=args.seed)
+        records, live_sps = run_benchmark(target, drafts, prompts, methods, modes=tuple(args.modes),
+                                          max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                          stock_target=stock_target)
         block = drafts["dspark"].config.block_size
         rows = summarize(records, block_size=block)
         sps_record = load_sps_profile(target, block + 1)
-        result.update({"sps": list(scheduler.sps), "sps_profile": sps_record, "summary": rows,
+        result.update({"sps": live_sps, "sps_profile": sps_record, "summary": rows,
                        "runs": [asdict(r) for r in records]})
         (out / "bench.json").write_text(json.dumps(result, indent=2))
         table = (f"{args.num_prompts} prompts per dataset, {args.max_new_tokens} new tokens.\n\n"
                  + markdown_table(rows))
         (out / "bench.md").write_text(header + table)
-        plots = write_plots(rows, sps_record, out)
+        plots = write_plots(rows, sps_record, out, live_sps=live_sps)
         print(header + table)
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {p}" for p in plots))
     if args.batch_sizes:

@@ -1,8 +1,8 @@
-"""The ``dspark-hf`` command: ``dspark-hf bench|train|evaluate|export ...``.
+"""The ``dspark-hf`` command: ``dspark-hf bench|train|evaluate|profile ...``.
 
 Each subcommand is the CLI of one module (``--help`` on it shows its options):
 ``bench`` -> :mod:`dspark_hf.bench`, ``train`` -> :mod:`dspark_hf.training`,
-``evaluate`` -> :mod:`dspark_hf.evaluation`.
+``evaluate`` -> :mod:`dspark_hf.evaluation`, ``profile`` -> :mod:`dspark_hf.profile_cli`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"bench": "dspark_hf.bench", "train": "dspark_hf.training", "evaluate": "dspark_hf.evaluation"}
+COMMANDS = {"bench": "dspark_hf.bench", "train": "dspark_hf.training", "evaluate": "dspark_hf.evaluation",
+            "profile": "dspark_hf.profile_cli"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ def test_summary_metrics_on_synthetic_rounds():
     records = [
         RunRecord("target", "gsm8k", "greedy", 0, new_tokens=10, seconds=1.0),
         RunRecord("target", "gsm8k", "greedy", 1, new_tokens=10, seconds=1.0),
+        RunRecord("target-stock", "gsm8k", "greedy", 0, new_tokens=20, seconds=4.0),
         RunRecord("dspark-scheduler", "gsm8k", "greedy", 0, new_tokens=8, seconds=0.3, prefill_seconds=0.05,
                   rounds=rounds_a, identical=True),
         RunRecord("dspark-scheduler", "gsm8k", "greedy", 1, new_tokens=7, seconds=0.2, prefill_seconds=0.05,
@@ -34,6 +35,7 @@ def test_summary_metrics_on_synthetic_rounds():
     assert target["tokens_per_s"] == pytest.approx(10.0) and target["speedup"] == pytest.approx(1.0)
     assert dspark["tokens_per_s"] == pytest.approx(15 / 0.5)
     assert dspark["speedup"] == pytest.approx(3.0)
+    assert dspark["speedup_vs_stock"] == pytest.approx(6.0) and target["speedup_vs_stock"] == pytest.approx(2.0)
     # tau: (accepted 6 + 5 rounds) / 5 rounds; efficiency 6 accepted of 11 verified
     assert dspark["tau"] == pytest.approx(11 / 5)
     assert dspark["verify_efficiency"] == pytest.approx(6 / 11)
@@ -53,7 +55,7 @@ def test_summary_metrics_on_synthetic_rounds():
     assert dspark["identical_to_target"] is True
     assert rows["early-exit"]["tokens_per_s"] is None and rows["early-exit"]["errors"]
     table = markdown_table(list(rows.values()))
-    assert "| gsm8k | greedy | dspark-scheduler | 30.0 | 3.00x | 2.20 |" in table
+    assert "| gsm8k | greedy | dspark-scheduler | 30.0 | 3.00x | 6.00x | 2.20 |" in table
     assert "error: ValueError: unsupported" in table
 
 
@@ -92,7 +94,8 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
     saved = json.loads((out / "bench.json").read_text())
     rows = saved["summary"]
     methods = {r["method"] for r in rows}
-    assert methods == {"target", "dspark-scheduler", "dspark-fixed-3", "dflash-fixed-7", "prompt-lookup"}
+    assert methods == {"target", "target-stock", "dspark-scheduler", "dspark-fixed-3", "dflash-fixed-7",
+                       "prompt-lookup"}
     assert len(rows) == 3 * 2 * len(methods)  # datasets x modes x methods
     assert {len([r for r in saved["runs"] if r["method"] == m]) for m in methods} == {3 * 2 * 2}  # 2 prompts
     for row in rows:

@@ -147,3 +147,19 @@ def test_fixed_policies_ignore_observations():
     policy = FixedLengthPolicy(3)
     policy.observe_verify(4, 1.0)  # the hook exists on every policy and is a no-op here
     assert policy.admit([0.1, 0.1, 0.1, 0.1]) == 3
+
+
+def test_profile_command_writes_the_table_the_default_scheduler_then_reads(tmp_path, monkeypatch):
+    from dspark_hf import profile_cli
+
+    target = random_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    sps = profile_cli.main(["--target", str(tmp_path / "target"), "--max-tokens", "24", "--cache-dir", str(tmp_path)])
+    assert len(sps) == 24
+    from transformers import AutoModelForCausalLM
+    from dspark_hf import optimize_for_cpu
+
+    served = optimize_for_cpu(AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval())
+    monkeypatch.setattr(scheduler_module, "profile_sps", lambda *a, **k: pytest.fail("profiled again"))
+    model = shared_cost_model(served, cache_dir=tmp_path)
+    assert model.prior_length == 24
