@@ -37,8 +37,9 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 # oneDNN chooses its blocked weight layout for an expected number of input rows; verify steps run
-# 1 to ~16 rows, and a hint in that range measured the same for all of them on the reference CPU.
-_BATCH_SIZE_HINT = 1
+# 1 to ~16 rows. A hint of 1 makes 2+ rows cost 2-3x one row on the reference CPU; 4 to 16 keep
+# 2 rows at the cost of 1 and 8 rows at ~1.5x (benchmarks/verify_cost.py).
+_BATCH_SIZE_HINT = 16
 _PACKED_ATTRIBUTE = "_dspark_packed_weight"
 
 

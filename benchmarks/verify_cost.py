@@ -1,0 +1,83 @@
+"""T(B): one target forward of B new tokens on a cached context, stock vs optimize_for_cpu.
+
+    python benchmarks/verify_cost.py                  # SmolLM2-135M-Instruct, 256-token context
+    python benchmarks/verify_cost.py --context 1024 --sizes 1 2 4 8 16 --repeats 9
+
+Both models run in one process, interleaved size by size and round by round (the machine's drift
+hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from dspark_hf import optimize_for_cpu
+from dspark_hf.smollm2 import load_smollm2
+
+
+def _stepper(model, context, new_ids):
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=context, cache=cache)
+
+    def step(num_tokens: int) -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(input_ids=new_ids[:, :num_tokens], cache=cache, logits_to_keep=num_tokens)
+            elapsed = time.perf_counter() - start
+        cache.crop(-num_tokens)
+        return elapsed
+
+    return step
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write the medians as JSON here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stock, _ = load_smollm2()
+    start = time.perf_counter()
+    prepared = optimize_for_cpu(copy.deepcopy(stock))
+    pack_seconds = time.perf_counter() - start
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, stock.config.vocab_size, (1, args.context), generator=generator)
+    new_ids = torch.randint(0, stock.config.vocab_size, (1, max(args.sizes)), generator=generator)
+    steppers = {"stock": _stepper(stock, context, new_ids), "prepared": _stepper(prepared, context, new_ids)}
+    samples = {name: {b: [] for b in args.sizes} for name in steppers}
+    for round_index in range(args.repeats + 1):  # round 0 warms up
+        for b in args.sizes:
+            for name, step in steppers.items():
+                elapsed = step(b)
+                if round_index:
+                    samples[name][b].append(elapsed)
+    medians = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in samples.items()}
+    print(f"context {args.context} tokens, {torch.get_num_threads()} threads, {args.repeats} interleaved rounds; "
+          f"packing took {pack_seconds:.2f} s")
+    print("B    stock ms  prepared ms  stock T(B)/T(1)  prepared T(B)/T(1)  stock/prepared")
+    for b in args.sizes:
+        s, p = medians["stock"][b], medians["prepared"][b]
+        print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
+              f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
+    result = {"context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
+              "median_seconds": medians}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
