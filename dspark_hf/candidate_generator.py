@@ -27,6 +27,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
+from .context_lookup import ContextLookup, SourceChooser
 from .modeling_dspark import DSparkDraftModel
 from .sampling import serial_sample
 from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, VerifyPolicy, shared_cost_model
@@ -38,7 +39,8 @@ logger = logging.get_logger(__name__)
 class RoundStats:
     """One round: how many draft tokens were verified and accepted, and where the time went (seconds).
 
-    ``drafted`` is False for rounds the drafting gate turned into plain target steps.
+    ``drafted`` is False for rounds the drafting gate turned into plain target steps, and for
+    rounds that verified a context-lookup proposal (``source == "lookup"``) instead.
     ``draft_time`` includes the draft's LM head, which runs inside the serial loop once a first
     position is admitted. The serial loop and the policy are interleaved, so ``serial_time``
     includes the policy's decisions; ``schedule_time`` is what remains around them (EOS
@@ -52,6 +54,7 @@ class RoundStats:
     schedule_time: float
     verify_time: float
     drafted: bool = True
+    source: str = "dspark"  # "dspark" (drafted or a plain step) or "lookup" (copied from the context)
 
 
 @dataclass
@@ -116,6 +119,22 @@ class DSparkGenerationStats:
             rates.append(passed / tried if tried else None)
         return rates
 
+    def source_shares(self) -> dict[str, float]:
+        """Share of rounds per draft source."""
+        shares: dict[str, float] = {}
+        for r in self.rounds:
+            shares[r.source] = shares.get(r.source, 0.0) + 1.0 / self.num_rounds
+        return shares
+
+    def acceptance_by_source(self) -> dict[str, float]:
+        """Accepted / verified draft tokens per source."""
+        totals: dict[str, list[int]] = {}
+        for r in self.rounds:
+            counts = totals.setdefault(r.source, [0, 0])
+            counts[0] += r.accepted
+            counts[1] += r.verified
+        return {source: accepted / verified for source, (accepted, verified) in totals.items() if verified}
+
     def timings(self) -> dict[str, float]:
         """Total seconds per part of the round."""
         return {
@@ -160,6 +179,35 @@ def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_
     return policy
 
 
+DEFAULT_LOOKUP_TOKENS = 10
+DEFAULT_LOOKUP_NGRAM = 3
+
+
+def resolve_context_lookup(draft: DSparkDraftModel, generation_config: GenerationConfig,
+                           policy: VerifyPolicy) -> ContextLookup | None:
+    """The call's context lookup (see :mod:`dspark_hf.context_lookup`), from transformers' own
+    prompt-lookup settings: ``prompt_lookup_num_tokens`` (the longest proposal; 0 turns lookup off)
+    and ``max_matching_ngram_size``, read from the call, else the draft's ``generation_config``.
+    When neither sets it, lookup is on (10 tokens, 3-grams) with the default scheduler, whose live
+    cost model values both sources, and off with fixed-length and threshold policies."""
+    def setting(name: str):
+        value = getattr(generation_config, name, None)
+        if value is None:
+            value = getattr(getattr(draft, "generation_config", None), name, None)
+        return value
+
+    num_tokens, ngram = setting("prompt_lookup_num_tokens"), setting("max_matching_ngram_size")
+    if num_tokens is None:
+        if not isinstance(policy, PrefixScheduler) or policy.cost_model is None:
+            return None
+        num_tokens = DEFAULT_LOOKUP_TOKENS
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"prompt_lookup_num_tokens must be an integer >= 0 (0 turns context lookup off), got {num_tokens!r}.")
+    if num_tokens == 0:
+        return None
+    return ContextLookup(max_tokens=num_tokens, max_ngram=DEFAULT_LOOKUP_NGRAM if ngram is None else ngram)
+
+
 class DSparkCandidateGenerator(CandidateGenerator):
     """Candidate generator for DSpark/DFlash drafts (``requires_model_outputs``).
 
@@ -200,6 +248,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True if wants_all else self.layer_indices}
         self.policy = resolve_verify_policy(draft, target)
         self.gate = resolve_drafting_gate(draft, self.policy)
+        lookup = resolve_context_lookup(draft, generation_config, self.policy)
+        self.chooser = SourceChooser(lookup) if lookup is not None else None
         # Policies with the incremental form decide inside the serial loop (a user policy may only have admit()).
         self.incremental = type(self.policy).start_round is not VerifyPolicy.start_round
         self.cache = draft.new_cache()
@@ -267,6 +317,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self._prefill_start = None
         self._ingest_context(input_ids, model_kwargs or {}, model_outputs)
         budget = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        if self.chooser is not None:
+            lookup = self._propose_lookup(input_ids)
+            if lookup is not None:
+                return lookup
         drafting = budget > 0 and (self.gate is None or self.gate.should_draft())
         if not drafting:  # the target still runs one forward: a plain step
             self._pending = {"verified": 0, "drafted": False, "draft": 0.0, "serial": 0.0,
@@ -297,12 +351,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         else:  # a user policy with only admit(): decide on the whole block
             confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
             keep = self.policy.admit(confidences)
-        if keep > 0 and self.eos_token_ids is not None:
-            # Tokens after a drafted EOS can never be emitted; stopping at it depends only on
-            # earlier tokens for every later position, so admission stays non-anticipating.
-            is_eos = torch.isin(sample.tokens[0, :keep], self.eos_token_ids.to(sample.tokens.device))
-            if bool(is_eos.any()):
-                keep = int(is_eos.int().argmax()) + 1
+        # Tokens after a drafted EOS can never be emitted; stopping at it depends only on earlier
+        # tokens for every later position, so admission stays non-anticipating.
+        keep = self._through_first_eos(sample.tokens[0], keep)
         t3 = time.perf_counter()
         head = sample.lm_head_seconds  # the lazily run LM head belongs to the draft forward
         self._pending = {"verified": keep, "drafted": True, "draft": t1 - t0 + head, "serial": t2 - t1 - head,
@@ -311,6 +362,39 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return input_ids, None
         candidates = torch.cat([input_ids, sample.tokens[:, :keep].to(input_ids.device)], dim=1)
         return candidates, sample.logits[:, :keep]
+
+    def _through_first_eos(self, tokens: torch.LongTensor, keep: int) -> int:
+        """``keep`` cut after the first EOS among ``tokens[:keep]``."""
+        if keep > 0 and self.eos_token_ids is not None:
+            is_eos = torch.isin(tokens[:keep], self.eos_token_ids.to(tokens.device))
+            if bool(is_eos.any()):
+                keep = int(is_eos.int().argmax()) + 1
+        return keep
+
+    def _propose_lookup(self, input_ids: torch.LongTensor):
+        """A context-lookup round when the chooser values it above DSpark (else None): the draft
+        forward is skipped, and the tokens go to the target with no logits (a deterministic draft)."""
+        start = time.perf_counter()
+        budget = min(self.chooser.lookup.max_tokens, self.max_length - input_ids.shape[1] - 1)
+        proposal = self.chooser.lookup.propose(input_ids[0], budget)
+        keep = self.chooser.choose(proposal, self.lookup_sps())
+        if keep == 0:
+            return None
+        keep = self._through_first_eos(proposal.tokens, keep)
+        end = time.perf_counter()
+        self._pending = {"verified": keep, "drafted": False, "draft": 0.0, "serial": 0.0,
+                         "schedule": end - start, "end": end, "lookup": proposal}
+        return torch.cat([input_ids, proposal.tokens[None, :keep].to(input_ids.device)], dim=1), None
+
+    def lookup_sps(self) -> tuple[float, ...]:
+        """The step-rate table the lookup choice reads: the scheduler's (its live cost model's, long
+        enough for the longest proposal), else the target's shared cost model."""
+        length = self.chooser.lookup.max_tokens + 1
+        if isinstance(self.policy, PrefixScheduler):
+            if self.policy.cost_model is None:
+                return self.policy.sps
+            return self.policy.cost_model.sps(max(length, self.policy.max_tokens))
+        return shared_cost_model(self.target).sps(length)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """Records the round: ``num_matches`` of the verified draft tokens were accepted."""
@@ -326,10 +410,17 @@ class DSparkCandidateGenerator(CandidateGenerator):
             schedule_time=p["schedule"],
             verify_time=now - p["end"],
             drafted=p["drafted"],
+            source="lookup" if "lookup" in p else "dspark",
         )
         self.stats.rounds.append(round_stats)
         self.policy.observe_verify(round_stats.verified + 1, round_stats.verify_time)
-        if self.gate is not None:
+        if self.chooser is not None:
+            if "lookup" in p:
+                self.chooser.record_lookup(p["lookup"], round_stats.verified, round_stats.accepted)
+            else:
+                ratio = (now - self._round_start) / max(round_stats.verify_time, 1e-9)
+                self.chooser.record_dspark(round_stats.accepted + 1, round_stats.verified, ratio, self.lookup_sps())
+        if self.gate is not None and "lookup" not in p:
             round_seconds = now - self._round_start
             if round_stats.drafted:
                 self.gate.record_drafted(round_stats.accepted + 1, round_seconds)

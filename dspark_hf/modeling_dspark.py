@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import logging
 
@@ -285,6 +285,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.adaptive_drafting = None  # None | bool | DraftingGate
         self.generation_stats = None
         self.post_init()
+        # Speculation settings a transformers user sets on an assistant (e.g. prompt_lookup_num_tokens);
+        # a call's generate() kwargs override them. A draft does not generate on its own, so
+        # transformers does not create this for it.
+        if getattr(self, "generation_config", None) is None:
+            self.generation_config = GenerationConfig()
 
     # ----------------------------------------------------------------- construction / loading
     @classmethod

@@ -60,11 +60,11 @@ def _warp(logits, temperature, top_k):
     return torch.softmax(logits, dim=-1)
 
 
-def _exact_distribution(temperature, top_k):
+def _exact_distribution(temperature, top_k, prompt=PROMPT):
     probs = _warp(_log(TARGET_PROBS), temperature, top_k)
     exact = {}
     for seq in itertools.product(range(4), repeat=NUM_TOKENS):
-        p, prev = 1.0, PROMPT[0, -1].item()
+        p, prev = 1.0, prompt[0, -1].item()
         for y in seq:
             p *= probs[prev, y].item()
             prev = y
@@ -90,23 +90,25 @@ class PastAcceptanceGate(DraftingGate):
         self.last_tokens = 1
 
 
-def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False):
+def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False, prompt=PROMPT, **generate_kwargs):
     target = bigram_target(_log(TARGET_PROBS))
     draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
     draft.verify_policy = policy
     draft.adaptive_drafting = gate
     torch.manual_seed(seed)
-    counts, scheduled = {}, [0] * 4
+    counts, scheduled, sources = {}, [0] * 4, {}
     for _ in range(NUM_SAMPLES):
         out = target.generate(
-            PROMPT, max_new_tokens=NUM_TOKENS + 3, do_sample=True, temperature=temperature, top_k=top_k,
-            top_p=None, assistant_model=draft,
+            prompt, max_new_tokens=NUM_TOKENS + 3, do_sample=True, temperature=temperature, top_k=top_k,
+            top_p=None, assistant_model=draft, **generate_kwargs,
         )
-        seq = tuple(out[0, 1 : 1 + NUM_TOKENS].tolist())
+        seq = tuple(out[0, prompt.shape[1] : prompt.shape[1] + NUM_TOKENS].tolist())
         counts[seq] = counts.get(seq, 0) + 1
         for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()):
             scheduled[k] += n
-    exact = _exact_distribution(temperature, top_k)
+        for r in draft.generation_stats.rounds:
+            sources[r.source] = sources.get(r.source, 0) + 1
+    exact = _exact_distribution(temperature, top_k, prompt)
     chi2, cells = 0.0, 0
     for seq, p in exact.items():
         expected = NUM_SAMPLES * p
@@ -117,6 +119,7 @@ def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False)
         cells += 1
     dof = cells - 1
     p_value = torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)).item()
+    _chi_square_p_value.sources = sources  # rounds per draft source, for the context-lookup tests
     return p_value, scheduled
 
 

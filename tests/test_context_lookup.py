@@ -1,0 +1,149 @@
+"""Context lookup as a second draft source: proposals, the value-based choice, settings, and
+losslessness (greedy identity on copy-heavy text; chi-square with both sources, and a choice that
+peeks at the draft's tokens is detected)."""
+
+import pytest
+import torch
+
+import dspark_hf.candidate_generator as candidate_generator
+from dspark_hf import FixedLengthPolicy, PrefixScheduler
+from dspark_hf.context_lookup import ContextLookup, SourceChooser, expected_value
+from test_lossless_sampling import SPS, _chi_square_p_value
+from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table
+
+
+def test_proposal_is_the_continuation_of_the_most_recent_longest_match():
+    lookup = ContextLookup(max_tokens=3, max_ngram=3)
+    seq = torch.tensor([5, 6, 7, 1, 9, 9, 5, 6, 7, 2, 3, 4, 8, 5, 6, 7])
+    proposal = lookup.propose(seq, limit=10)
+    assert proposal.ngram == 3 and proposal.tokens.tolist() == [2, 3, 4]  # the later "5 6 7" wins
+    assert lookup.propose(seq, limit=2).tokens.tolist() == [2, 3]
+    assert lookup.propose(torch.tensor([1, 2, 3, 4]), limit=5) is None  # no earlier occurrence of 4
+    short = lookup.propose(torch.tensor([1, 2, 9, 3, 2]), limit=5)
+    assert short.ngram == 1 and short.tokens.tolist() == [9, 3, 2]
+    far = torch.tensor([1, 2, 3, 9, 1, 2, 3])
+    assert ContextLookup(max_tokens=3).propose(far, 5).tokens.tolist() == [9, 1, 2]
+    assert ContextLookup(max_tokens=3, search_window=4).propose(far, 5) is None  # the match lies outside
+
+
+def test_acceptance_estimate_and_expected_value():
+    lookup = ContextLookup(prior_acceptance=0.5, prior_weight=2.0)
+    assert lookup.acceptance(2) == pytest.approx(0.5)
+    lookup.record(2, verified=4, accepted=4)  # 4 accepted, none rejected
+    lookup.record(2, verified=3, accepted=1)  # 1 accepted, then a rejection
+    assert lookup.acceptance(2) == pytest.approx((5 + 1) / (6 + 2))
+    assert lookup.acceptance(3) == pytest.approx(0.5)
+    flat = (10.0, 10.0, 10.0, 10.0)
+    assert expected_value(0.5, flat, 3) == (3, pytest.approx(10.0 * (1 + 0.5 + 0.25 + 0.125)))
+    steep = (10.0, 4.0, 3.0, 2.0)
+    assert expected_value(0.5, steep, 3) == (0, 10.0)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        ContextLookup(max_tokens=0)
+
+
+def test_chooser_needs_dspark_history_and_probes_it():
+    chooser = SourceChooser(ContextLookup(prior_acceptance=0.9), min_rounds=2, probe_every=3)
+    proposal = ContextLookup().propose(torch.tensor([1, 2, 3, 1, 2]), 5)
+    flat = (10.0,) * 8
+    assert chooser.choose(proposal, flat) == 0  # no DSpark history yet
+    chooser.record_dspark(1, 0, 1.0, flat)
+    chooser.record_dspark(1, 0, 1.0, flat)  # DSpark delivers 10 tokens/s, lookup is worth ~3.4 x 10
+    assert proposal.tokens.tolist() == [3, 1, 2] and chooser.choose(proposal, flat) == 3  # the whole proposal
+    chooser.record_lookup(proposal, 1, 1)
+    chooser.record_lookup(proposal, 1, 1)
+    assert chooser.choose(proposal, flat) == 0  # the probe: DSpark again after 2 lookup rounds
+    assert chooser.choose(None, flat) == 0
+
+
+def _cycle_target():
+    """A bigram target that repeats a cycle of 6 tokens: its own output is copy-heavy."""
+    vocab = 24
+    table = torch.full((vocab, vocab), -4.0)
+    for t in range(vocab):
+        table[t, (t + 1) % 6 + (t // 6) * 6] = 4.0
+    return bigram_target(table)
+
+
+def _copying_pair():
+    target = _cycle_target()
+    weak_table = torch.randn(24, 24)  # a draft that is mostly wrong, so lookup pays more
+    draft = markov_draft(target, weak_table, block_size=4, confidence_logits=torch.full((24,), 1.0))
+    return target, draft
+
+
+def test_greedy_identical_and_lookup_used_on_copy_heavy_text():
+    target, draft = _copying_pair()
+    draft.verify_policy = PrefixScheduler([100.0, 99.0, 98.0, 97.0, 96.0], live=True)
+    used = 0
+    for start in (0, 3, 7, 13, 20):
+        prompt = torch.tensor([[start, (start + 5) % 24, start]])
+        expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+        got = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
+        assert got.tolist() == expected.tolist()
+        stats = draft.generation_stats
+        used += stats.source_shares().get("lookup", 0.0) > 0
+        if "lookup" in stats.acceptance_by_source():
+            assert stats.acceptance_by_source()["lookup"] > 0.5
+    assert used >= 3
+
+
+def test_settings_follow_transformers_prompt_lookup_options():
+    target, draft = _copying_pair()
+    prompt = torch.tensor([[1, 2, 1]])
+    draft.verify_policy = PrefixScheduler([100.0] * 11, live=True)
+    target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft, prompt_lookup_num_tokens=0)
+    assert "lookup" not in draft.generation_stats.source_shares()  # 0 turns it off
+    draft.generation_config.prompt_lookup_num_tokens = 0
+    target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert "lookup" not in draft.generation_stats.source_shares()  # so does the draft's generation_config
+    draft.generation_config.prompt_lookup_num_tokens = None
+    draft.verify_policy = FixedLengthPolicy(2)
+    target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert "lookup" not in draft.generation_stats.source_shares()  # off by default with a fixed length
+    out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft, prompt_lookup_num_tokens=3)
+    assert out.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
+    lookup_rounds = [r for r in draft.generation_stats.rounds if r.source == "lookup"]
+    assert lookup_rounds and max(r.verified for r in lookup_rounds) <= 3
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        target.generate(prompt, max_new_tokens=8, assistant_model=draft, prompt_lookup_num_tokens=-2)
+
+
+class EagerChooser(SourceChooser):
+    """The real chooser with little DSpark history needed and an optimistic lookup prior, so both
+    sources run within the few rounds of a short generation (its choices read past rounds only)."""
+
+    def __init__(self, lookup):
+        lookup._prior = (1.8, 0.2)
+        super().__init__(lookup, min_rounds=1, probe_every=3)
+
+
+LOOKUP_PROMPT = torch.tensor([[0, 1, 2, 3, 2, 0, 3, 1, 2]])  # every token has an earlier occurrence
+
+
+def test_sampling_lossless_with_both_sources(monkeypatch):
+    monkeypatch.setattr(candidate_generator, "SourceChooser", EagerChooser)
+    p_value, _ = _chi_square_p_value(PrefixScheduler(SPS), prompt=LOOKUP_PROMPT, prompt_lookup_num_tokens=3)
+    sources = _chi_square_p_value.sources
+    assert sources.get("lookup", 0) > 500 and sources.get("dspark", 0) > 500, sources
+    assert p_value > 1e-3, f"DSpark with context lookup deviates from the target (p={p_value:.2e})"
+
+
+class PeekingGenerator(candidate_generator.DSparkCandidateGenerator):
+    """A biased variant: drafts first, and switches to the lookup proposal when the draft's first
+    token is 0, so whether the draft's tokens are verified depends on those very tokens."""
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        candidates, logits = super().get_candidates(input_ids, *args, **kwargs)
+        cur_len = input_ids.shape[1]
+        if logits is not None and int(candidates[0, cur_len]) == 0:
+            proposal = ContextLookup(max_tokens=3).propose(input_ids[0], candidates.shape[1] - cur_len)
+            if proposal is not None:
+                self._pending["verified"] = proposal.tokens.numel()
+                return torch.cat([input_ids, proposal.tokens[None]], dim=1), None
+        return candidates, logits
+
+
+def test_a_choice_that_peeks_at_draft_tokens_is_detected(monkeypatch):
+    monkeypatch.setattr(candidate_generator, "DSparkCandidateGenerator", PeekingGenerator)
+    p_value, _ = _chi_square_p_value(PrefixScheduler(SPS), prompt=LOOKUP_PROMPT, prompt_lookup_num_tokens=0)
+    assert p_value < 1e-5, f"the test failed to detect a source choice that peeks at draft tokens (p={p_value:.2e})"
