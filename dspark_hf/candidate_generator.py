@@ -18,6 +18,7 @@ The first call returns no candidates so that transformers' prefill yields the pr
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
 from .modeling_dspark import DSparkDraftModel
-from .sampling import serial_sample
+from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
 from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, VerifyPolicy, profile_sps
 
 logger = logging.get_logger(__name__)
@@ -144,6 +145,8 @@ def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_
     """The draft's ``verify_policy``, or the default: a scheduler on an SPS table profiled up to
     ``num_rows * (gamma + 1)`` tokens (cached on disk) with a confidence head, the full block without."""
     policy = draft.verify_policy
+    if policy is not None and not isinstance(policy, VerifyPolicy):
+        raise ValueError(_not_a_policy_message(policy))
     has_confidence = draft.confidence_head is not None
     if policy is None:
         if not has_confidence:
@@ -161,6 +164,20 @@ def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_
             "(a DFlash draft). Use FixedLengthPolicy or leave verify_policy=None."
         )
     return policy
+
+
+def _not_a_policy_message(policy: Any) -> str:
+    if isinstance(policy, type):
+        hint = f" That is the class {policy.__name__}; set an instance, e.g. {policy.__name__}(...)."
+    elif isinstance(policy, int) and not isinstance(policy, bool) and policy >= 0:
+        hint = f" For {policy} draft tokens every round, set FixedLengthPolicy({policy})."
+    else:
+        hint = ""
+    return (
+        f"draft.verify_policy must be None (the default) or a VerifyPolicy instance from dspark_hf "
+        f"(FixedLengthPolicy(n), ThresholdPolicy(t), PrefixScheduler(sps) or a VerifyPolicy subclass), "
+        f"got {policy!r} ({type(policy).__name__}).{hint}"
+    )
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -217,6 +234,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._prompt_has_padding = False
         self._round_start = 0.0
         self._prefill_start: float | None = None
+        self._warned_non_finite = False
 
     @torch.no_grad()
     def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
@@ -297,14 +315,30 @@ class DSparkCandidateGenerator(CandidateGenerator):
         t2 = time.perf_counter()
         if self.incremental:
             keep = sample.num_admitted
+            if keep == 0 and sample.offered and not math.isfinite(sample.offered[-1]):
+                self._warn_non_finite()  # the policy refused a NaN confidence: nothing verified already
         else:  # a user policy with only admit(): decide on the whole block
             confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
-            keep = self.policy.admit(confidences)
-        if keep > 0 and self.eos_token_ids is not None:
-            # Tokens after a drafted EOS can never be emitted; stopping at it depends only on
-            # earlier tokens for every later position, so admission stays non-anticipating.
-            is_eos = torch.isin(sample.tokens[0, :keep], self.eos_token_ids.to(sample.tokens.device))
-            if bool(is_eos.any()):
+            # admit() rejects NaN confidences; a draft producing them verifies nothing this round.
+            finite = all(map(math.isfinite, confidences))
+            keep = self.policy.admit(confidences) if finite else 0
+            if not finite:
+                self._warn_non_finite()
+        if keep > 0:
+            # One transfer for both checks. A draft distribution that is not finite (float16
+            # overflow) cannot be verified (rejection sampling would take NaN for q): the round
+            # verifies nothing. Tokens after a drafted EOS can never be emitted; stopping at it
+            # depends only on earlier tokens for every later position, so admission stays
+            # non-anticipating.
+            checks = [sample.finite_rows()[0]]
+            if self.eos_token_ids is not None:
+                is_eos = torch.isin(sample.tokens[0, :keep], self.eos_token_ids.to(sample.tokens.device))
+                checks.append(is_eos.any().to(checks[0].device))
+            flags = torch.stack(checks).tolist()
+            if not flags[0]:
+                keep = 0
+                self._warn_non_finite()
+            elif len(flags) > 1 and flags[1]:
                 keep = int(is_eos.int().argmax()) + 1
         t3 = time.perf_counter()
         head = sample.lm_head_seconds  # the lazily run LM head belongs to the draft forward
@@ -314,6 +348,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return input_ids, None
         candidates = torch.cat([input_ids, sample.tokens[:, :keep].to(input_ids.device)], dim=1)
         return candidates, sample.logits[:, :keep]
+
+    def _warn_non_finite(self) -> None:
+        if not self._warned_non_finite:
+            self._warned_non_finite = True
+            logger.warning(NON_FINITE_DRAFT_WARNING)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """Records the round: ``num_matches`` of the verified draft tokens were accepted."""
