@@ -45,10 +45,13 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.utils import logging
 
 from .candidate_generator import DSparkGenerationStats, RoundStats, resolve_drafting_gate, resolve_verify_policy
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
-from .sampling import serial_sample
+from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
+
+logger = logging.get_logger(__name__)
 
 SEQUENCE_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
                             TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
@@ -93,6 +96,8 @@ def _compact(target_cache: DynamicCache, draft_cache: DraftContextCache, slot_ma
 
     for layer in target_cache.layers:
         layer.keys, layer.values = gather(layer.keys), gather(layer.values)
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers size their mask by it
+            layer.cumulative_length = width
     for i in range(len(draft_cache.keys)):
         draft_cache.keys[i], draft_cache.values[i] = gather(draft_cache.keys[i]), gather(draft_cache.values[i])
     draft_cache.key_mask = new_mask.to(draft_cache.key_mask.device)
@@ -132,6 +137,27 @@ def _speculative_accept(draft_tokens, draft_logits, target_logits, lengths):
     return accepted, torch.multinomial(distribution, 1).squeeze(1)
 
 
+def _check_sliding_window(cache: DynamicCache, max_tokens: int, gamma: int) -> None:
+    """Refuses a sliding-window target whose window the ragged slots could reach.
+
+    Rows keep rejected and padding slots (masked) between compactions, so a sliding-window layer
+    would count slots, not tokens, and drop context the target alone still sees. Below the window
+    it is plain causal attention and exact. Compaction keeps at most max(32, 2 x tokens) slots, and
+    a round adds gamma + 1.
+    """
+    windows = [layer.sliding_window for layer in cache.layers if getattr(layer, "sliding_window", None)]
+    if not windows:
+        return
+    slots = max(32, 2 * max_tokens) + gamma + 1
+    if slots >= min(windows) - 1:
+        raise ValueError(
+            f"Batched DSpark generation keeps up to {slots} cache slots for {max_tokens} tokens (prompt + "
+            f"max_new_tokens), which reaches this target's sliding attention window ({min(windows)}); the "
+            "result would differ from the target alone. Lower max_new_tokens or the prompt length to stay "
+            "below half the window, or generate one prompt at a time (batch size 1 has no such limit)."
+        )
+
+
 @torch.no_grad()
 def batched_dspark_generate(
     target: PreTrainedModel,
@@ -162,6 +188,7 @@ def batched_dspark_generate(
     layer_indices = [i + 1 for i in draft.config.target_layer_ids]
     stats = DSparkGenerationStats(block_size=gamma)
     draft.generation_stats = stats
+    warned_non_finite = False
 
     def process(scores: torch.Tensor) -> torch.Tensor:  # sequence-free processors: rows are independent
         return processors(input_ids[:1], scores) if processors is not None else scores
@@ -176,6 +203,7 @@ def batched_dspark_generate(
     mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=target.config)
+    _check_sliding_window(cache, prompt_len + max_new, gamma)
     start = time.perf_counter()
     outputs = target(input_ids, attention_mask=mask.long(), position_ids=positions, cache=cache, use_cache=True,
                      output_hidden_states=layer_indices, logits_to_keep=1)
@@ -218,11 +246,21 @@ def batched_dspark_generate(
             sample = serial_sample(draft, block.logits, block.hidden_states, anchors, do_sample=do_sample,
                                    logits_processor=processors, prefix_ids=anchors[:, None] if processors else None)
             t2 = time.perf_counter()
+            # A row whose draft distribution or confidences are not finite (float16 overflow) verifies
+            # nothing this round: it offers the policy no positions. Its flag travels with the confidences.
+            finite = sample.finite_rows()
             if sample.confidences is not None:
-                confidences = sample.confidences.tolist()
-                lengths = policy.admit_batch([c[:b] for c, b in zip(confidences, budgets)])
+                rows_read = torch.cat([sample.confidences, finite[:, None].to(sample.confidences)], dim=1).tolist()
+                fine = [bool(row[-1]) for row in rows_read]
+                lengths = policy.admit_batch([row[:b] if ok else [] for row, b, ok in zip(rows_read, budgets, fine)])
             else:
-                lengths = policy.admit_batch([[1.0] * b for b in budgets])
+                fine = finite.tolist()
+                lengths = policy.admit_batch([[1.0] * b if ok else [] for b, ok in zip(budgets, fine)])
+            if not all(fine):
+                lengths = [k if ok else 0 for k, ok in zip(lengths, fine)]
+                if not warned_non_finite:
+                    warned_non_finite = True
+                    logger.warning(NON_FINITE_DRAFT_WARNING)
             if eos_ids is not None:  # nothing after a drafted EOS can be emitted
                 is_eos = torch.isin(sample.tokens, eos_ids).tolist()
                 lengths = [next((j + 1 for j in range(k) if flags[j]), k) for k, flags in zip(lengths, is_eos)]

@@ -18,6 +18,7 @@ The first call returns no candidates so that transformers' prefill yields the pr
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ from transformers.utils import logging
 
 from .context_lookup import ContextLookup, SourceChooser
 from .modeling_dspark import DSparkDraftModel
-from .sampling import serial_sample
+from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
 from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, VerifyPolicy, shared_cost_model
 
 logger = logging.get_logger(__name__)
@@ -165,6 +166,8 @@ def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_
     one per target and process, corrected by every round's verify time) for up to
     ``num_rows * (gamma + 1)`` tokens; without one (DFlash), the full block."""
     policy = draft.verify_policy
+    if policy is not None and not isinstance(policy, VerifyPolicy):
+        raise ValueError(_not_a_policy_message(policy))
     has_confidence = draft.confidence_head is not None
     if policy is None:
         if not has_confidence:
@@ -206,6 +209,20 @@ def resolve_context_lookup(draft: DSparkDraftModel, generation_config: Generatio
     if num_tokens == 0:
         return None
     return ContextLookup(max_tokens=num_tokens, max_ngram=DEFAULT_LOOKUP_NGRAM if ngram is None else ngram)
+
+
+def _not_a_policy_message(policy: Any) -> str:
+    if isinstance(policy, type):
+        hint = f" That is the class {policy.__name__}; set an instance, e.g. {policy.__name__}(...)."
+    elif isinstance(policy, int) and not isinstance(policy, bool) and policy >= 0:
+        hint = f" For {policy} draft tokens every round, set FixedLengthPolicy({policy})."
+    else:
+        hint = ""
+    return (
+        f"draft.verify_policy must be None (the default) or a VerifyPolicy instance from dspark_hf "
+        f"(FixedLengthPolicy(n), ThresholdPolicy(t), PrefixScheduler(sps) or a VerifyPolicy subclass), "
+        f"got {policy!r} ({type(policy).__name__}).{hint}"
+    )
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -264,6 +281,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._prompt_has_padding = False
         self._round_start = 0.0
         self._prefill_start: float | None = None
+        self._warned_non_finite = False
 
     @torch.no_grad()
     def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
@@ -348,12 +366,31 @@ class DSparkCandidateGenerator(CandidateGenerator):
         t2 = time.perf_counter()
         if self.incremental:
             keep = sample.num_admitted
+            if keep == 0 and sample.offered and not math.isfinite(sample.offered[-1]):
+                self._warn_non_finite()  # the policy refused a NaN confidence: nothing verified already
         else:  # a user policy with only admit(): decide on the whole block
             confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
-            keep = self.policy.admit(confidences)
-        # Tokens after a drafted EOS can never be emitted; stopping at it depends only on earlier
-        # tokens for every later position, so admission stays non-anticipating.
-        keep = self._through_first_eos(sample.tokens[0], keep)
+            # admit() rejects NaN confidences; a draft producing them verifies nothing this round.
+            finite = all(map(math.isfinite, confidences))
+            keep = self.policy.admit(confidences) if finite else 0
+            if not finite:
+                self._warn_non_finite()
+        if keep > 0:
+            # One transfer for both checks. A draft distribution that is not finite (float16
+            # overflow) cannot be verified (rejection sampling would take NaN for q): the round
+            # verifies nothing. Tokens after a drafted EOS can never be emitted; stopping at it
+            # depends only on earlier tokens for every later position, so admission stays
+            # non-anticipating.
+            checks = [sample.finite_rows()[0]]
+            if self.eos_token_ids is not None:
+                is_eos = torch.isin(sample.tokens[0, :keep], self.eos_token_ids.to(sample.tokens.device))
+                checks.append(is_eos.any().to(checks[0].device))
+            flags = torch.stack(checks).tolist()
+            if not flags[0]:
+                keep = 0
+                self._warn_non_finite()
+            elif len(flags) > 1 and flags[1]:
+                keep = int(is_eos.int().argmax()) + 1
         t3 = time.perf_counter()
         head = sample.lm_head_seconds  # the lazily run LM head belongs to the draft forward
         self._pending = {"verified": keep, "drafted": True, "draft": t1 - t0 + head, "serial": t2 - t1 - head,
@@ -395,6 +432,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 return self.policy.sps
             return self.policy.cost_model.sps(max(length, self.policy.max_tokens))
         return shared_cost_model(self.target).sps(length)
+
+    def _warn_non_finite(self) -> None:
+        if not self._warned_non_finite:
+            self._warned_non_finite = True
+            logger.warning(NON_FINITE_DRAFT_WARNING)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """Records the round: ``num_matches`` of the verified draft tokens were accepted."""

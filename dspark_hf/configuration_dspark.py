@@ -91,11 +91,36 @@ class DSparkConfig(PreTrainedConfig):
     anchor_predicts: bool = True
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """Loads ``config.json`` from a folder or Hub repo (see :meth:`from_dict` for what is checked)."""
+        # Passed on to from_dict so that its errors can name the checkpoint.
+        kwargs.setdefault("name_or_path", str(pretrained_model_name_or_path))
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        """Builds the config from a ``config.json`` dict; a z-lab DFlash dict is translated first."""
+        """Builds the config from a ``config.json`` dict; a z-lab DFlash dict is translated first.
+
+        A checkpoint's dict must give ``block_size``: nothing in the weights reveals it, so a
+        default would silently draft another block length than the draft was trained for (every
+        DeepSpec and dspark_hf ``config.json`` records it; z-lab's default of 16 is applied by the
+        translation). Keyword overrides (``from_pretrained(path, block_size=...)``) count as given
+        and are validated like the file's values.
+        """
+        name = kwargs.get("name_or_path") or config_dict.get("_name_or_path") or "this checkpoint"
         if is_zlab_dflash_config_dict(config_dict):
             config_dict = translate_zlab_dflash_config(config_dict)
-        return super().from_dict(config_dict, **kwargs)
+        for key in REQUIRED_CHECKPOINT_FIELDS:
+            if key not in config_dict and key not in kwargs:
+                raise ValueError(
+                    f"The config.json of {name} has no {key} ({REQUIRED_CHECKPOINT_FIELDS[key]}), and nothing in the "
+                    f"weights reveals it. Add \"{key}\": <value the draft was trained with> to config.json, or pass "
+                    f"{key}=<value> to from_pretrained."
+                )
+        result = super().from_dict(config_dict, **kwargs)
+        config = result[0] if isinstance(result, tuple) else result
+        config.validate_dspark_fields()  # keyword overrides are set after __post_init__ ran
+        return result
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
@@ -108,6 +133,7 @@ class DSparkConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # A DeepSpec config.json says model_type "qwen3"; keep the class's "dspark" visible.
         kwargs.pop("model_type", None)
+        self._check_field_types()  # before the defaults below compute with these fields
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -117,8 +143,42 @@ class DSparkConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate_dspark_fields()
 
+    def _check_field_types(self) -> None:
+        """Raises ``ValueError`` naming the field, its value and the expected type for an ill-typed field.
+
+        ``bool`` is not accepted where an int is expected, nor an integral float (``7.0``): a
+        config.json holding those was not written by a DSpark/DeepSpec tool.
+        """
+        for name, (kind, optional) in _FIELD_TYPES.items():
+            value = getattr(self, name, None)
+            if value is None and optional:
+                continue
+            if not _is_kind(value, kind):
+                raise ValueError(_type_error(name, value, kind, optional))
+        for name in ("target_layer_ids", "confidence_temperatures"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            kind = "int" if name == "target_layer_ids" else "number"
+            if not isinstance(values, (list, tuple)):
+                raise ValueError(_type_error(name, values, f"list of {kind}s", True))
+            bad = [v for v in values if not _is_kind(v, kind)]
+            if bad:
+                raise ValueError(
+                    f"DSparkConfig.{name} must be a list of {kind}s, got {values!r} (element {bad[0]!r} is a "
+                    f"{type(bad[0]).__name__}). Fix it in config.json or in the DSparkConfig(...) call."
+                )
+            setattr(self, name, list(values))
+
     def validate_dspark_fields(self) -> None:
         """Checks the DSpark fields that do not need the target; raises ``ValueError`` with the fix."""
+        self._check_field_types()
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if kv_heads is not None and heads % kv_heads:
+            raise ValueError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}; grouped-query "
+                "attention shares each key/value head among a whole number of query heads."
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.markov_rank < 0:
@@ -158,6 +218,54 @@ class DSparkConfig(PreTrainedConfig):
                     f"confidence_temperatures must hold block_size={self.block_size} positive values, got {temps}; "
                     "re-run calibration or set it to None."
                 )
+
+
+# Fields a checkpoint's config.json must give, with what they mean (see DSparkConfig.from_dict).
+REQUIRED_CHECKPOINT_FIELDS = {"block_size": "draft positions per round, gamma"}
+
+# Field -> (expected kind, None allowed). Kinds: "int" (not bool), "number" (int or float, not bool),
+# "bool", "str". Checked before anything computes with the values.
+_FIELD_TYPES: dict[str, tuple[str, bool]] = {
+    "vocab_size": ("int", False),
+    "hidden_size": ("int", False),
+    "intermediate_size": ("int", False),
+    "num_hidden_layers": ("int", False),
+    "num_attention_heads": ("int", False),
+    "num_key_value_heads": ("int", True),
+    "head_dim": ("int", True),
+    "max_position_embeddings": ("int", False),
+    "hidden_act": ("str", False),
+    "rms_norm_eps": ("number", False),
+    "attention_bias": ("bool", False),
+    "num_target_layers": ("int", True),
+    "block_size": ("int", False),
+    "mask_token_id": ("int", True),
+    "num_anchors": ("int", False),
+    "markov_rank": ("int", False),
+    "markov_head_type": ("str", False),
+    "enable_confidence_head": ("bool", False),
+    "confidence_head_with_markov": ("bool", False),
+    "anchor_predicts": ("bool", False),
+}
+
+
+def _is_kind(value, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if kind == "int" else isinstance(value, (int, float))
+
+
+def _type_error(name: str, value, kind: str, optional: bool) -> str:
+    expected = {"int": "an int", "number": "a number (int or float)", "bool": "a bool (true/false)",
+                "str": "a str"}.get(kind, f"a {kind}")
+    return (
+        f"DSparkConfig.{name} must be {expected}{' or None' if optional else ''}, got {value!r} "
+        f"({type(value).__name__}). Fix it in config.json or in the DSparkConfig(...) call."
+    )
 
 
 def is_dspark_config(config) -> bool:

@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from transformers.utils import logging
 
 from .configuration_dspark import DSparkConfig
+from .targets import draft_backbone_fields
 
 logger = logging.get_logger(__name__)
 
@@ -310,37 +311,25 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """A freshly initialised draft for any transformers causal LM ``target``.
 
         The config copies what target and draft must agree on (vocab and hidden size, heads, rope
-        settings, special token ids). Defaults: ``target_layer_ids`` spread evenly over
+        settings, special token ids), read through each family's config names (GPT-2's ``n_embd``,
+        OPT's ``ffn_dim``, ...; see :func:`dspark_hf.targets.draft_backbone_fields`, which raises
+        ``ValueError`` naming what a target lacks). Defaults: ``target_layer_ids`` spread evenly over
         ``[1, L - 3]`` of the target's ``L`` layers (never its last layer), as many as draft layers
         but at least 3 (when the target has them); ``mask_token_id`` = the target's pad token when
         it differs from EOS, else the last vocabulary row. Without ``copy_embeddings`` the draft
         stores no embedding/LM-head and borrows the target's.
         """
-        tc = target.config.get_text_config()
-        num_target_layers = tc.num_hidden_layers
+        fields = draft_backbone_fields(target)
+        num_target_layers = fields["num_target_layers"]
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
         if mask_token_id is None:
-            eos = tc.eos_token_id if isinstance(tc.eos_token_id, list) else [tc.eos_token_id]
-            pad = tc.pad_token_id
-            mask_token_id = pad if pad is not None and pad not in eos else tc.vocab_size - 1
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+            eos = fields["eos_token_id"] if isinstance(fields["eos_token_id"], list) else [fields["eos_token_id"]]
+            pad = fields["pad_token_id"]
+            mask_token_id = pad if pad is not None and pad not in eos else fields["vocab_size"] - 1
         config = DSparkConfig(
-            vocab_size=tc.vocab_size,
-            hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size,
+            **fields,
             num_hidden_layers=num_hidden_layers,
-            num_attention_heads=tc.num_attention_heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-            head_dim=head_dim,
-            hidden_act=getattr(tc, "hidden_act", "silu"),
-            max_position_embeddings=tc.max_position_embeddings,
-            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(tc.rope_parameters) if getattr(tc, "rope_parameters", None) else None,
-            bos_token_id=tc.bos_token_id,
-            eos_token_id=tc.eos_token_id,
-            pad_token_id=tc.pad_token_id,
-            num_target_layers=num_target_layers,
             target_layer_ids=list(target_layer_ids),
             block_size=block_size,
             mask_token_id=mask_token_id,
@@ -374,6 +363,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         target's at generation time.
         """
         want_info = kwargs.pop("output_loading_info", False)
+        # Shape mismatches come back in the loading info and are raised below with names and shapes;
+        # transformers' own error only points at its load report, which is hidden here.
+        kwargs["ignore_mismatched_sizes"] = True
         # transformers logs a "newly initialized" report for absent embed_tokens/lm_head, which is
         # expected here; key problems are reported below as an error instead.
         report_logger = logging.get_logger("transformers.modeling_utils")
@@ -403,15 +395,24 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         unexpected = set(info.get("unexpected_keys", []))
         mismatched = info.get("mismatched_keys", [])
         if missing or unexpected or mismatched:
+            shapes = [f"{key}: checkpoint {tuple(saved)}, config expects {tuple(expected)}"
+                      for key, saved, expected in sorted(mismatched, key=lambda m: m[0])]
             raise ValueError(
                 f"Checkpoint {pretrained_model_name_or_path!s} does not match a DSpark draft with this config: "
                 f"missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}, "
-                f"shape mismatches {list(mismatched)}. Check that config.json belongs to these weights "
-                "(markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov, "
-                "target_layer_ids, num_hidden_layers) and that the file is complete."
+                f"shape mismatches [{'; '.join(shapes)}]. Check that config.json belongs to these weights "
+                "(vocab_size, hidden_size, intermediate_size, markov_rank, markov_head_type, enable_confidence_head, "
+                "confidence_head_with_markov, target_layer_ids, num_hidden_layers) and that the file is complete."
             )
         for name in absent_optional:
             setattr(model, name, None)
+        bad = non_finite_parameters(model)
+        if bad:
+            raise ValueError(
+                f"Checkpoint {pretrained_model_name_or_path!s} has non-finite values (NaN or inf) in "
+                f"{len(bad)} tensor(s): {', '.join(repr(name) for name in bad)}. The file is corrupt or the "
+                "training diverged; re-download or re-save the checkpoint, or use an earlier training checkpoint."
+            )
         if absent_optional:
             logger.info(f"Draft has no {' / '.join(absent_optional)}; it will use the target's.")
         return (model, info) if want_info else model
@@ -428,8 +429,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def check_target(self, target: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
         """Checks that ``target`` fits this draft; returns the embedding and LM head the draft will use.
 
-        Raises ``ValueError`` naming the mismatch (vocab size, hidden size, layer ids, mask id).
+        Raises ``ValueError`` naming the mismatch (vocab size, hidden size, layer ids, mask id), or a
+        draft whose weights are on the ``meta`` device (built without loading any values).
         """
+        on_meta = next((name for name, p in self.named_parameters() if p.device.type == "meta"), None)
+        if on_meta is not None:
+            raise ValueError(
+                f"The draft's weights are on the meta device (no values; e.g. built under `with torch.device('meta')` "
+                f"or loaded with a device_map that offloaded them), first: {on_meta!r}. Load the draft with "
+                "DSparkDraftModel.from_pretrained(...) or DSparkDraftModel.from_target(target), or materialise it "
+                "with draft.to_empty(device=...) and load a state dict."
+            )
         tc = target.config.get_text_config()
         c = self.config
         if tc.vocab_size != c.vocab_size:
@@ -560,6 +570,25 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return torch.cat([input_ids, extra], dim=1), torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
 
 
+def non_finite_parameters(model: nn.Module) -> list[str]:
+    """Names of the floating-point parameters of ``model`` holding a NaN or an infinity.
+
+    One ``aminmax`` per tensor (min and max propagate NaN, and an infinity is an extreme), so no
+    tensor-sized temporary is made; the flags of each device are read back with one transfer.
+    Parameters on the ``meta`` device hold no values and are skipped.
+    """
+    names: dict[torch.device, list[str]] = {}
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        if not param.is_floating_point() or param.device.type == "meta" or param.numel() == 0:
+            continue
+        low, high = torch.aminmax(param.detach())
+        names.setdefault(param.device, []).append(name)
+        flags.setdefault(param.device, []).append(torch.isfinite(low) & torch.isfinite(high))
+    return [name for device in names for name, ok in zip(names[device], torch.stack(flags[device]).tolist())
+            if not ok]
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers spread evenly over ``[1, L - 3]`` (DFlash's rule), never the last layer.
 
@@ -579,4 +608,5 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
-__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache", "default_target_layer_ids"]
+__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache", "default_target_layer_ids",
+           "non_finite_parameters"]

@@ -51,6 +51,37 @@ class SerialSample:
     uniforms: torch.Tensor | None = None
     num_admitted: int | None = None
     lm_head_seconds: float = 0.0  # wall time of a lazily computed LM head (part of the draft forward)
+    offered: list[float] | None = None  # with admission: the confidences offered, as Python floats
+
+    def finite_rows(self) -> torch.Tensor:
+        """(R,) bool on the sample's device: True where every drawn position of the row had a
+        well-defined distribution and a finite confidence.
+
+        A distribution is well defined when the largest logit is finite: a NaN or ``+inf`` logit
+        (float16 overflow, corrupt weights) or a row of ``-inf`` makes its softmax NaN, while a
+        partial ``-inf`` mask (top-k, top-p) is fine. One max-reduction over the logits already
+        computed; no host sync (the caller reads the flags with its own transfer).
+        """
+        ok = torch.isfinite(self.logits.amax(dim=-1)).all(dim=-1)
+        if self.confidences is not None:
+            ok &= torch.isfinite(self.confidences[:, : self.tokens.shape[1]]).all(dim=-1).to(ok.device)
+        return ok
+
+
+# Logged (once per generate call) when a round's draft distribution is not finite; the round verifies nothing.
+NON_FINITE_DRAFT_WARNING = (
+    "The draft produced non-finite logits or confidences (NaN or inf: float16 overflow or corrupt weights); "
+    "rounds where that happens verify no draft tokens, so the output stays the target's but those rounds "
+    "gain no speed. Run the draft in bfloat16 or float32, or check its weights. Logged once per generate call."
+)
+
+
+def _probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits)`` for multinomial sampling. A row whose softmax is NaN (its largest logit is
+    NaN or infinite) becomes uniform instead of making ``torch.multinomial`` raise (or, on CUDA,
+    assert): such a row is flagged by :meth:`SerialSample.finite_rows` and never verified, so what
+    is drawn from it does not matter. Finite rows are unchanged (the same draw for the same seed)."""
+    return torch.softmax(logits, dim=-1).nan_to_num_(nan=1.0)
 
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -163,8 +194,7 @@ def serial_sample(
         if do_sample and uniforms is not None:
             prev = inverse_cdf_sample(logits[:, k], uniforms[:, k])
         elif do_sample:
-            probs = torch.softmax(logits[:, k], dim=-1)
-            prev = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+            prev = torch.multinomial(_probabilities(logits[:, k]), num_samples=1, generator=generator).squeeze(1)
         else:
             prev = logits[:, k].argmax(dim=-1)
         tokens[:, k] = prev
@@ -198,7 +228,8 @@ def _admit_after(result: SerialSample, admission: Callable[[float], bool], num_p
             break
         keep += 1
     return SerialSample(tokens=result.tokens[:, :keep], logits=result.logits[:, :keep],
-                        confidences=result.confidences, uniforms=result.uniforms, num_admitted=keep)
+                        confidences=result.confidences, uniforms=result.uniforms, num_admitted=keep,
+                        offered=confidences[: min(keep + 1, num_positions)])
 
 
 def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample, logits_processor, prefix_ids,
@@ -239,7 +270,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
         if do_sample and uniforms is not None:
             prev = inverse_cdf_sample(row, uniforms[:, k])
         elif do_sample:
-            prev = torch.multinomial(torch.softmax(row, dim=-1), num_samples=1, generator=generator).squeeze(1)
+            prev = torch.multinomial(_probabilities(row), num_samples=1, generator=generator).squeeze(1)
         else:
             prev = row.argmax(dim=-1)
         tokens.append(prev)
@@ -255,7 +286,8 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
         uniforms=uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None,
         num_admitted=keep,
         lm_head_seconds=lm_head_seconds,
+        offered=offered,
     )
 
 
-__all__ = ["BACKENDS", "SerialSample", "inverse_cdf_sample", "serial_sample"]
+__all__ = ["BACKENDS", "NON_FINITE_DRAFT_WARNING", "SerialSample", "inverse_cdf_sample", "serial_sample"]

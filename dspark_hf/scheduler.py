@@ -608,9 +608,17 @@ def sps_cache_key(model: torch.nn.Module, max_tokens: int, *, context_length: in
 def _valid_table(values: Any, min_length: int) -> bool:
     if not isinstance(values, list) or len(values) < min_length or min_length < 1:
         return False
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
+    # bool is an int subclass; an int beyond float range makes math.isfinite raise OverflowError.
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite_positive(v) for v in values):
         return False
     return all(values[i] <= values[i - 1] for i in range(1, len(values)))
+
+
+def _finite_positive(value: int | float) -> bool:
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
 
 
 def _load_cached(directory: Path, base_key: str, max_tokens: int) -> tuple[list[float], Path] | None:
@@ -631,8 +639,9 @@ def _load_cached(directory: Path, base_key: str, max_tokens: int) -> tuple[list[
         try:
             with open(path, encoding="utf-8") as f:
                 record = json.load(f)
-        except (OSError, ValueError) as error:
-            logger.warning("Ignoring unreadable SPS cache file %s (%s).", path, error)
+        except (OSError, ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
+            logger.warning("Ignoring unreadable SPS cache file %s (%s); it will be re-profiled.", path,
+                           type(error).__name__ if isinstance(error, RecursionError) else error)
             continue
         table = record.get("sps") if isinstance(record, dict) else None
         if _valid_table(table, max_tokens):
