@@ -215,9 +215,9 @@ def generate_shard(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
                 records.append({"prompt_index": item["prompt_index"], "source": item["source"],
                                 "mode": "sample" if do_sample else "greedy", "prompt_ids": ids, "answer_ids": answer})
             if progress is not None:
-                progress.update(len(batch))
                 progress.set_postfix(shard=shard, s_per_batch=f"{time.perf_counter() - begin:.1f}",
                                      rows=len(batch), refresh=False)
+                progress.update(len(batch))
     records.sort(key=lambda r: r["prompt_index"])
     return records
 
@@ -333,7 +333,10 @@ def main(argv: list[str] | None = None) -> None:
     config = {"model": model_name, "sources": [s.strip() for s in args.sources.split(",") if s.strip()],
               "seed": args.seed, "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
               "batch_size": args.batch_size, "shard_size": args.shard_size}
-    plan = prepare_folder(args.out, tokenizer, config)
+    try:
+        plan = prepare_folder(args.out, tokenizer, config)
+    except ValueError as error:  # a folder made with other settings: say so without a traceback
+        parser.error(str(error))
     if args.plan_only:
         return
     # The CPU fast path makes a batched decoding step cost about a single one; looked up at run time
