@@ -385,13 +385,19 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: data (ShareGPT prompts answered by SmolLM2) -> target features -> training -> STS -> save."""
     from .calibration import calibrate_draft
     from .data import generate_answers, load_corpus, sharegpt_prompts, sharegpt_reference_answers
+    from .datagen import load_onpolicy_corpus, load_plan
     from .scheduler import default_cache_dir
     from .smollm2 import load_smollm2, mask_token_id
 
     parser = argparse.ArgumentParser(prog="python -m dspark_hf.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", help="draft output folder")
-    parser.add_argument("--corpus", default=None, help="JSONL corpus (default: <cache>/data/sharegpt_smollm2.jsonl)")
+    parser.add_argument("--corpus", default=None,
+                        help="JSONL corpus (default: <cache>/data/sharegpt_smollm2.jsonl), or a folder made by "
+                             "`python -m dspark_hf.datagen` (its finished shards are used as they are)")
+    parser.add_argument("--max-sequences", type=int, default=None,
+                        help="use only the first N records of a datagen folder (the feature cache holds ~4.6 KB "
+                             "per token for SmolLM2)")
     parser.add_argument("--num-prompts", type=int, default=320)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--reference-answers", type=int, default=0,
@@ -412,10 +418,18 @@ def main(argv: list[str] | None = None) -> None:
 
     target, tokenizer = load_smollm2()
     corpus = Path(args.corpus) if args.corpus else default_cache_dir() / "data" / "sharegpt_smollm2.jsonl"
-    prompts = sharegpt_prompts(limit=args.num_prompts)
-    generate_answers(target, tokenizer, prompts, corpus, max_new_tokens=args.max_new_tokens, batch_size=32)
-    records = sorted((r for r in load_corpus(corpus) if r["index"] < args.num_prompts), key=lambda r: r["index"])
-    tag = f"n{args.num_prompts}"
+    if corpus.is_dir():  # on-policy shards from dspark_hf.datagen; nothing to generate here
+        records = load_onpolicy_corpus(corpus)[: args.max_sequences]
+        prompts = [p["text"] for p in load_plan(corpus) if p["source"] == "sharegpt"]
+        tag = f"n{len(records)}"
+        logger.warning(f"Training corpus: {len(records)} records of {corpus}")
+        # features live in the cache, not next to the shards (they are ~1000x larger)
+        corpus = default_cache_dir() / "data" / f"{corpus.resolve().name}.jsonl"
+    else:
+        prompts = sharegpt_prompts(limit=args.num_prompts)
+        generate_answers(target, tokenizer, prompts, corpus, max_new_tokens=args.max_new_tokens, batch_size=32)
+        records = sorted((r for r in load_corpus(corpus) if r["index"] < args.num_prompts), key=lambda r: r["index"])
+        tag = f"n{args.num_prompts}"
     if args.reference_answers:
         reference = corpus.with_name(f"sharegpt_reference.n{args.reference_answers}.jsonl")
         sharegpt_reference_answers(tokenizer, args.reference_answers, reference, exclude_prompts=set(prompts),
@@ -427,6 +441,10 @@ def main(argv: list[str] | None = None) -> None:
                          confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
                          mask_token_id=mask_token_id(tokenizer))
     cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
+    tokens = sum(min(len(r["prompt_ids"]) + len(r["answer_ids"]), cfg.max_seq_len) for r in records)
+    feature_gb = tokens * (len(cfg.target_layer_ids) + 1) * target.config.hidden_size * 2 / 1e9
+    logger.warning(f"Feature cache: {len(records)} sequences, {tokens} tokens, ~{feature_gb:.1f} GB, held in memory "
+                   "while training (--max-sequences caps it).")
     feature_path = corpus.with_name(f"{corpus.stem}.{tag}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
     items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len)
     if args.prepare_only:
