@@ -8,8 +8,10 @@ order of methods rotates from one prompt to the next), so drift of the machine h
   Every speedup is against this;
 * ``target-stock``: the stock target alone (no fast path), so the gain from the fast path and the
   gain from speculation read separately ("vs stock" column);
-* ``dspark-scheduler``: DSpark with its default policy: the prefix scheduler on the live cost
-  model (a profiled prior corrected by every round) and the drafting gate;
+* ``dspark-scheduler``: DSpark with its defaults: the prefix scheduler on the live cost model (a
+  profiled prior corrected by every round), the drafting gate and context lookup as a second
+  draft source (the "lookup" column: share of rounds that verified a lookup proposal);
+* ``dspark-no-lookup``: the same without context lookup (``prompt_lookup_num_tokens=0``);
 * ``dspark-fixed-{1,3,7}``: DSpark verifying a fixed number of draft tokens;
 * ``dspark-threshold``: DSpark with a static confidence threshold on prefix survival;
 * ``dflash-fixed-7``: the DFlash ablation (no Markov head, no confidence head), full block;
@@ -72,12 +74,14 @@ class BenchMethod:
     kind: str
     draft: str | None = None
     policy: str | tuple | None = None
+    lookup: bool = True  # DSpark: context lookup as a second draft source (its default)
 
 
 def default_methods(dspark: str = "dspark", dflash: str | None = "dflash", *, quick: bool = False) -> list[BenchMethod]:
     """The issue's method list (a shorter one with ``quick``)."""
     methods = [BenchMethod("target", "target"), BenchMethod("target-stock", "target-stock"),
-               BenchMethod("dspark-scheduler", "dspark", dspark, "scheduler")]
+               BenchMethod("dspark-scheduler", "dspark", dspark, "scheduler"),
+               BenchMethod("dspark-no-lookup", "dspark", dspark, "scheduler", lookup=False)]
     lengths = (3,) if quick else (1, 3, 7)
     methods += [BenchMethod(f"dspark-fixed-{k}", "dspark", dspark, ("fixed", k)) for k in lengths]
     if not quick:
@@ -121,6 +125,8 @@ def _generate(target, stock_target, method: BenchMethod, drafts, ids, mode, max_
         draft = drafts[method.draft]
         draft.verify_policy = _policy(method)
         kwargs["assistant_model"] = draft
+        if not method.lookup:
+            kwargs["prompt_lookup_num_tokens"] = 0
     elif method.kind == "target-stock":
         return stock_target.generate(ids, **kwargs)
     elif method.kind == "prompt-lookup":
@@ -353,6 +359,8 @@ def summarize(records: list[RunRecord], block_size: int = 7) -> list[dict]:
                 scheduled_length_histogram=stats.scheduled_length_histogram(),
                 mean_scheduled_length=stats.verified_tokens / n,
                 drafted_fraction=stats.drafted_fraction,
+                source_shares=stats.source_shares(),
+                acceptance_by_source=stats.acceptance_by_source(),
                 rounds=stats.num_rounds,
                 ms_per_round={
                     "target_verify": 1e3 * timings["target_verify"] / n,
@@ -387,9 +395,9 @@ def markdown_table(rows: list[dict]) -> str:
     """The summary as a markdown table, rows grouped by mode and dataset, methods in a fixed order."""
     rows = sorted(rows, key=_row_order)
     lines = [
-        "| dataset | mode | method | tok/s | speedup | vs stock | tau | verify eff. | drafted | mean verified | "
+        "| dataset | mode | method | tok/s | speedup | vs stock | tau | verify eff. | drafted | lookup | mean verified | "
         "ms/round verify / draft / serial / sched / other | overhead | same as target |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for row in rows:
         split = row.get("ms_per_round")
@@ -398,12 +406,13 @@ def markdown_table(rows: list[dict]) -> str:
         same = {True: "yes", False: "**NO**", None: "-"}[row["identical_to_target"]]
         if row["errors"] and row["tokens_per_s"] is None:
             lines.append(f"| {row['dataset']} | {row['mode']} | {row['method']} | error: {row['errors'][0][:60]} "
-                         "| | | | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         lines.append(
             f"| {row['dataset']} | {row['mode']} | {row['method']} | {_fmt(row['tokens_per_s'], 1)} | "
             f"{_fmt(row['speedup'], 2, 'x')} | {_fmt(row.get('speedup_vs_stock'), 2, 'x')} | {_fmt(row.get('tau'))} | {_fmt(row.get('verify_efficiency'))} | "
             f"{_fmt(None if row.get('drafted_fraction') is None else 100 * row['drafted_fraction'], 0, '%')} | "
+            f"{_fmt(None if row.get('source_shares') is None else 100 * row['source_shares'].get('lookup', 0.0), 0, '%')} | "
             f"{_fmt(row.get('mean_scheduled_length'))} | {split_text} | "
             f"{_fmt(None if row.get('overhead_share') is None else 100 * row['overhead_share'], 1, '%')} | {same} |"
         )

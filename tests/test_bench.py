@@ -55,7 +55,7 @@ def test_summary_metrics_on_synthetic_rounds():
     assert dspark["identical_to_target"] is True
     assert rows["early-exit"]["tokens_per_s"] is None and rows["early-exit"]["errors"]
     table = markdown_table(list(rows.values()))
-    assert "| gsm8k | greedy | dspark-scheduler | 30.0 | 3.00x | 6.00x | 2.20 |" in table
+    assert "| gsm8k | greedy | dspark-scheduler | 30.0 | 3.00x | 6.00x | 2.20 | 0.55 | 80% | 0% |" in table
     assert "error: ValueError: unsupported" in table
 
 
@@ -94,8 +94,8 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
     saved = json.loads((out / "bench.json").read_text())
     rows = saved["summary"]
     methods = {r["method"] for r in rows}
-    assert methods == {"target", "target-stock", "dspark-scheduler", "dspark-fixed-3", "dflash-fixed-7",
-                       "prompt-lookup"}
+    assert methods == {"target", "target-stock", "dspark-scheduler", "dspark-no-lookup", "dspark-fixed-3",
+                       "dflash-fixed-7", "prompt-lookup"}
     assert len(rows) == 3 * 2 * len(methods)  # datasets x modes x methods
     assert {len([r for r in saved["runs"] if r["method"] == m]) for m in methods} == {3 * 2 * 2}  # 2 prompts
     for row in rows:
