@@ -603,5 +603,5 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
-__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache", "default_target_layer_ids",
-           "non_finite_parameters"]
+__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache",
+           "default_target_layer_ids", "non_finite_parameters"]

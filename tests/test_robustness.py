@@ -174,6 +174,12 @@ def test_ill_typed_config_fields_name_field_value_and_type(kwargs, field, expect
     assert field in message and repr(kwargs[field]) in message and expected in message, message
 
 
+@pytest.mark.parametrize("field", ["num_attention_heads", "num_key_value_heads", "hidden_size", "num_anchors"])
+def test_sizes_below_one(field):
+    with pytest.raises(ValueError, match=rf"{field} must be >= 1, got 0"):
+        DSparkConfig(target_layer_ids=[0], mask_token_id=0, **{field: 0})
+
+
 def test_heads_must_divide():
     with pytest.raises(ValueError, match="num_attention_heads 4 .*num_key_value_heads 3"):
         DSparkConfig(target_layer_ids=[0], mask_token_id=0, num_attention_heads=4, num_key_value_heads=3)
