@@ -278,3 +278,8 @@ def test_draft_on_the_meta_device(target, batched):
     prompt, kwargs = (BATCH, dict(attention_mask=BATCH_MASK)) if batched else (PROMPT, {})
     with pytest.raises(ValueError, match=r"meta device.*from_pretrained"):
         target.generate(prompt, max_new_tokens=5, assistant_model=draft, **kwargs)
+
+
+def test_from_target_under_a_meta_device_context(target):
+    with torch.device("meta"), pytest.raises(ValueError, match=r"meta device.*outside a meta-device context"):
+        DSparkDraftModel.from_target(target, block_size=BLOCK, markov_rank=8)
