@@ -144,7 +144,8 @@ class DSparkConfig(PreTrainedConfig):
         self.validate_dspark_fields()
 
     def _check_field_types(self) -> None:
-        """Raises ``ValueError`` naming the field, its value and the expected type for an ill-typed field.
+        """Raises ``ValueError`` naming the field, its value and the expected type for an ill-typed
+        field (or a size below 1).
 
         ``bool`` is not accepted where an int is expected, nor an integral float (``7.0``): a
         config.json holding those was not written by a DSpark/DeepSpec tool.
@@ -155,6 +156,10 @@ class DSparkConfig(PreTrainedConfig):
                 continue
             if not _is_kind(value, kind):
                 raise ValueError(_type_error(name, value, kind, optional))
+        for name in _POSITIVE_SIZES:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"DSparkConfig.{name} must be >= 1, got {value}.")
         for name in ("target_layer_ids", "confidence_temperatures"):
             values = getattr(self, name)
             if values is None:
@@ -247,6 +252,10 @@ _FIELD_TYPES: dict[str, tuple[str, bool]] = {
     "confidence_head_with_markov": ("bool", False),
     "anchor_predicts": ("bool", False),
 }
+
+
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "max_position_embeddings", "num_anchors")
 
 
 def _is_kind(value, kind: str) -> bool:

@@ -343,6 +343,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if draft.markov_head is not None:
             # A fresh Markov head starts as a zero bias, so an untrained draft behaves like DFlash.
             nn.init.zeros_(draft.markov_head.markov_w2.weight)
+        draft._check_not_on_meta()  # a meta-device context cannot be moved to the target's device
         dtype = target.get_input_embeddings().weight.dtype
         draft.to(device=target.get_input_embeddings().weight.device, dtype=dtype)
         if copy_embeddings:
@@ -432,14 +433,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Raises ``ValueError`` naming the mismatch (vocab size, hidden size, layer ids, mask id), or a
         draft whose weights are on the ``meta`` device (built without loading any values).
         """
-        on_meta = next((name for name, p in self.named_parameters() if p.device.type == "meta"), None)
-        if on_meta is not None:
-            raise ValueError(
-                f"The draft's weights are on the meta device (no values; e.g. built under `with torch.device('meta')` "
-                f"or loaded with a device_map that offloaded them), first: {on_meta!r}. Load the draft with "
-                "DSparkDraftModel.from_pretrained(...) or DSparkDraftModel.from_target(target), or materialise it "
-                "with draft.to_empty(device=...) and load a state dict."
-            )
+        self._check_not_on_meta()
         tc = target.config.get_text_config()
         c = self.config
         if tc.vocab_size != c.vocab_size:
@@ -475,6 +469,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if lm_head is None:
             raise ValueError("Neither the draft nor the target has an LM head (get_output_embeddings() is None).")
         return embed, lm_head
+
+    def _check_not_on_meta(self) -> None:
+        on_meta = next((name for name, p in self.named_parameters() if p.device.type == "meta"), None)
+        if on_meta is not None:
+            raise ValueError(
+                f"The draft's weights are on the meta device (no values; e.g. built under `with torch.device('meta')` "
+                f"or loaded with a device_map that offloaded them), first: {on_meta!r}. Load the draft with "
+                "DSparkDraftModel.from_pretrained(...) or DSparkDraftModel.from_target(target) outside a meta-device "
+                "context, or materialise it with draft.to_empty(device=...) and load a state dict."
+            )
 
     def _embedding(self) -> nn.Module:
         embed = self.embed_tokens if self.embed_tokens is not None else self._borrowed[0]
@@ -608,5 +612,5 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
-__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache", "default_target_layer_ids",
-           "non_finite_parameters"]
+__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache",
+           "default_target_layer_ids", "non_finite_parameters"]

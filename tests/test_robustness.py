@@ -174,6 +174,12 @@ def test_ill_typed_config_fields_name_field_value_and_type(kwargs, field, expect
     assert field in message and repr(kwargs[field]) in message and expected in message, message
 
 
+@pytest.mark.parametrize("field", ["num_attention_heads", "num_key_value_heads", "hidden_size", "num_anchors"])
+def test_sizes_below_one(field):
+    with pytest.raises(ValueError, match=rf"{field} must be >= 1, got 0"):
+        DSparkConfig(target_layer_ids=[0], mask_token_id=0, **{field: 0})
+
+
 def test_heads_must_divide():
     with pytest.raises(ValueError, match="num_attention_heads 4 .*num_key_value_heads 3"):
         DSparkConfig(target_layer_ids=[0], mask_token_id=0, num_attention_heads=4, num_key_value_heads=3)
@@ -272,3 +278,8 @@ def test_draft_on_the_meta_device(target, batched):
     prompt, kwargs = (BATCH, dict(attention_mask=BATCH_MASK)) if batched else (PROMPT, {})
     with pytest.raises(ValueError, match=r"meta device.*from_pretrained"):
         target.generate(prompt, max_new_tokens=5, assistant_model=draft, **kwargs)
+
+
+def test_from_target_under_a_meta_device_context(target):
+    with torch.device("meta"), pytest.raises(ValueError, match=r"meta device.*outside a meta-device context"):
+        DSparkDraftModel.from_target(target, block_size=BLOCK, markov_rank=8)
