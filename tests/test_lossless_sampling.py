@@ -158,8 +158,10 @@ class SwingingLiveScheduler(PrefixScheduler):
     def observe_verify(self, num_tokens, seconds):
         self.observed += 1
         steep = self.observed % 3 == 0
-        synthetic = self.cost_model.prior(num_tokens) * (6.0 if steep and num_tokens > 1 else 0.3)
-        super().observe_verify(num_tokens, synthetic)
+        # Every size is reported each round, so the whole table swings (no size keeps a stale value).
+        for size in range(1, len(SPS) + 1):
+            synthetic = self.cost_model.prior(size) * (6.0 if steep and size > 1 else 0.3)
+            super().observe_verify(size, synthetic)
 
 
 def test_sampling_lossless_with_a_cost_model_that_changes_during_generation():
