@@ -58,6 +58,8 @@ from .scheduler import FixedLengthPolicy, ThresholdPolicy, load_sps_profile, sha
 
 logger = logging.get_logger(__name__)
 
+# The shipped SmolLM2 drafts live in the repository, not in the package: found from a clone
+# (editable install or not), and named in a clear error otherwise.
 REPO_DRAFTS = Path(__file__).resolve().parents[1] / "drafts"
 MODES = ("greedy", "sample")
 
@@ -511,6 +513,18 @@ def environment() -> dict:
 
 
 # ------------------------------------------------------------------------------------------ CLI
+def missing_draft_message(path: str | Path, how_to_pass: str) -> str | None:
+    """Why a default shipped-draft folder cannot be used (it is absent), or None when it exists;
+    ``how_to_pass`` ends the message with the options that name another draft."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return None
+    state = "has no config.json" if path.is_dir() else "does not exist"
+    return (f"the shipped draft folder {path} {state}. The SmolLM2 drafts are not part of the "
+            f"installed package: they are the folders drafts/smollm2-135m-dspark and drafts/smollm2-135m-dflash "
+            f"of the dspark_hf source repository (a git clone has them). {how_to_pass}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     from .data import chat_prompt_ids
 
@@ -521,7 +535,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dflash", default=str(REPO_DRAFTS / "smollm2-135m-dflash"),
                         help="DFlash ablation draft ('none' to skip)")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
-    parser.add_argument("--prompt-dir", help="folder with <dataset>.jsonl (default: shared/eval_prompts)")
+    parser.add_argument("--prompt-dir", help="folder with <dataset>.jsonl (default: $DSPARK_EVAL_PROMPTS, else the "
+                        "sets shipped in dspark_hf/eval_prompts)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -537,6 +552,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-fast-path", action="store_true",
                         help="do not prepare the target and drafts with optimize_for_cpu (then target = target-stock)")
     args = parser.parse_args(argv)
+    # Checked before the target loads, so a pip install without the repository fails at once.
+    how = "Pass drafts (folders or Hub ids) with --dspark PATH and --dflash PATH (--dflash none skips the ablation)."
+    for name in ("dspark", "dflash"):
+        value = getattr(args, name)
+        problem = missing_draft_message(value, how) if value == parser.get_default(name) else None
+        if problem:
+            parser.error(problem)
     if args.quick:
         args.num_prompts, args.max_new_tokens = min(args.num_prompts, 2), min(args.max_new_tokens, 48)
         args.sweep_new_tokens = min(args.sweep_new_tokens, 24)

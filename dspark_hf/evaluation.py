@@ -27,12 +27,16 @@ from .scheduler import FixedLengthPolicy
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 
 
+PACKAGED_PROMPT_DIR = Path(__file__).resolve().parent / "eval_prompts"
+
+
 def default_prompt_dir() -> Path:
-    """``$DSPARK_EVAL_PROMPTS`` or the workspace's ``shared/eval_prompts``."""
+    """``$DSPARK_EVAL_PROMPTS`` if set, else the prompt sets shipped in the package
+    (``dspark_hf/eval_prompts``: GSM8K test, HumanEval, MT-Bench; sources and licences in its README)."""
     env = os.environ.get("DSPARK_EVAL_PROMPTS")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "eval_prompts"
+    return PACKAGED_PROMPT_DIR
 
 
 def load_eval_prompts(dataset: str, limit: int | None = None, prompt_dir: str | Path | None = None) -> list[str]:

@@ -1,7 +1,7 @@
 """Hugging Face Hub integration: auto-class registration, Hub-ready export, DeepSpec export,
 ``push_to_hub``, the ``custom_generate`` entry point and model cards.
 
-Checkpoint formats and how they load (see also README, "Hub, remote code and serving engines"):
+Checkpoint formats and how they load (see also docs/formats.md):
 
 * ``"dspark"``: this library's transformers layout (``model_type: "dspark"``). :func:`export`
   writes it Hub-ready: ``config.json`` with ``auto_map``, thin remote-code files that re-export the
@@ -59,7 +59,7 @@ REMOTE_CODE_FILES = {  # file in the exported folder -> template in dspark_hf/hu
     "custom_generate/requirements.txt": "requirements.txt",
 }
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
-# DSpark fields of a DeepSpec config.json (DESIGN.md section 4).
+# DSpark fields of a DeepSpec config.json (docs/design.md, section 6).
 DEEPSPEC_FIELDS = (
     "num_target_layers",
     "target_layer_ids",

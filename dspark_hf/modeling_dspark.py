@@ -1,7 +1,7 @@
 """The DSpark draft model: a DFlash-style parallel backbone plus the serial Markov head and the
 confidence head.
 
-Data flow of one round (DESIGN.md section 3):
+Data flow of one round (docs/design.md, section 4):
 
 1. :meth:`DSparkDraftModel.add_context` turns the target's hidden states of ``target_layer_ids``
    for newly accepted tokens into per-layer context keys/values (``fc`` -> ``hidden_norm`` ->

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import dspark_hf
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy
+from dspark_hf.bench import missing_draft_message
 from dspark_hf.smollm2 import load_smollm2
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
@@ -46,6 +47,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each, interleaved (median)")
     parser.add_argument("--no-fast-path", action="store_true", help="do not call dspark_hf.optimize_for_cpu")
     args = parser.parse_args()
+    problem = None if args.demo or args.draft else missing_draft_message(
+        SHIPPED_DRAFT, "Pass a draft folder or Hub id with --draft PATH, or --demo for a small random model.")
+    if problem:
+        parser.error(problem)
 
     if args.demo:
         tokenizer, target = None, demo_target()

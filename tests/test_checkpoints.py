@@ -1,4 +1,4 @@
-"""Loading drafts: DeepSpec layout (built here from DESIGN.md section 4, not from our own writer),
+"""Loading drafts: DeepSpec layout (built here from docs/design.md section 6, not from our own writer),
 DFlash (markov_rank 0), drafts without embedding/LM-head copies, strict key matching."""
 
 import json

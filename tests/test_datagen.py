@@ -3,7 +3,6 @@ atomic and resumable, records name their source, and the prompt sources are reco
 
 import gzip
 import json
-import os
 import random
 import re
 import tomllib
@@ -23,6 +22,7 @@ from dspark_hf.datagen import (
     shard_path,
     trim_after_eos,
 )
+from dspark_hf.evaluation import default_prompt_dir
 from dspark_hf.prompt_sources import SOURCES, Prompt, eval_overlap, normalize_text
 from tiny_models import random_target, tiny_tokenizer
 
@@ -288,7 +288,7 @@ def test_champ_and_code_sources():
 
 # ------------------------------------------------------------------ committed plan vs eval sets
 COMMITTED_PLAN = REPO / "data" / "smollm2-onpolicy"
-EVAL_PROMPTS = Path(os.environ.get("DSPARK_EVAL_PROMPTS", "/work/shared/eval_prompts"))
+EVAL_PROMPTS = default_prompt_dir()  # the sets shipped in the package, or $DSPARK_EVAL_PROMPTS
 
 
 @pytest.mark.skipif(not (COMMITTED_PLAN / "prompts.jsonl.gz").exists(), reason="no committed prompt plan")
