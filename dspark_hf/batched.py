@@ -56,9 +56,10 @@ SEQUENCE_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogit
                             TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
 
 
-def check_batched_support(logits_processor: LogitsProcessorList | None, stopping_criteria: StoppingCriteriaList | None,
-                          generation_config: GenerationConfig, streamer) -> None:
-    """Raises ``ValueError`` for settings batched DSpark generation cannot honour exactly."""
+def check_batched_support(logits_processor: LogitsProcessorList | None, generation_config: GenerationConfig,
+                          streamer) -> None:
+    """Raises ``ValueError`` for settings batched DSpark generation cannot honour exactly (every
+    stopping criterion is honoured, see :func:`batched_dspark_generate`)."""
     unsupported = [type(p).__name__ for p in (logits_processor or []) if not isinstance(p, SEQUENCE_FREE_PROCESSORS)]
     if unsupported:
         raise ValueError(

@@ -98,7 +98,9 @@ def install_dspark_dispatch() -> None:
     mismatched draft fails with DSpark's own message before transformers' generic tokenizer check),
     ``_get_candidate_generator`` (to build :class:`DSparkCandidateGenerator`) and
     ``_assisted_decoding`` (a DSpark draft with batch size > 1 runs
-    :func:`dspark_hf.batched.batched_dspark_generate` instead of transformers' refusal).
+    :func:`dspark_hf.batched.batched_dspark_generate` instead of transformers' refusal; at batch
+    size 1 the call's stopping criteria are checked at every position a round adds, and the output
+    is cut at the first that fires, see :mod:`dspark_hf.stopping`).
     """
     if getattr(GenerationMixin._get_candidate_generator, _MARKER, False):
         return
@@ -186,7 +188,7 @@ def install_dspark_dispatch() -> None:
                                                   assistant_model, model_kwargs)
         from .batched import batched_dspark_generate, check_batched_support
 
-        check_batched_support(logits_processor, stopping_criteria, generation_config, streamer)
+        check_batched_support(logits_processor, generation_config, streamer)
         sequences = batched_dspark_generate(self, draft, input_ids, model_kwargs.get("attention_mask"),
                                             logits_processor, generation_config, stopping_criteria)
         if generation_config.return_dict_in_generate:

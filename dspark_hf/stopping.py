@@ -128,7 +128,10 @@ def _generic(criterion: StoppingCriteria, sequences, starts, limits, record, sco
     plain generate (rows with nothing to check at that length are passed along, their answer unused;
     a row shorter than the length is padded with ``filler``)."""
     rows = len(sequences)
-    for length in range(min(starts) + 1, max(limits) + 1):
+    active = [r for r in range(rows) if starts[r] < limits[r]]
+    if not active:
+        return
+    for length in range(min(starts[r] for r in active) + 1, max(limits[r] for r in active) + 1):
         need = [r for r in range(rows) if starts[r] < length <= limits[r]]
         if not need:
             continue
@@ -148,11 +151,13 @@ class DeferredStreamer(BaseStreamer):
     def __init__(self, streamer: BaseStreamer):
         self.streamer = streamer
         self.pending: list[torch.Tensor] = []
+        self.stopped = False  # after the stop (synced_gpus keeps the loop running) nothing more is sent
 
     def put(self, value: torch.Tensor) -> None:
-        self.pending.append(value)
+        if not self.stopped:
+            self.pending.append(value)
 
-    def flush(self, drop: int = 0) -> None:
+    def flush(self, drop: int = 0, stop: bool = False) -> None:
         """Sends the held tokens less the last ``drop`` (those past a stop)."""
         if self.pending:
             tokens = torch.cat([t.reshape(1, -1) for t in self.pending], dim=-1)
@@ -160,6 +165,7 @@ class DeferredStreamer(BaseStreamer):
             keep = tokens.shape[-1] - drop
             if keep > 0:
                 self.streamer.put(tokens[:, :keep])
+        self.stopped = self.stopped or stop
 
     def end(self) -> None:
         self.flush()
@@ -195,8 +201,9 @@ class ExactStopping(StoppingCriteria):
             stop = first_stops(self.positional, [input_ids[0]], [self.checked], scores, self.prompt_len)[0]
             if stop is not None:
                 self.stop_length, done = stop, True
-        if self.streamer is not None:
-            self.streamer.flush(drop=length - self.stop_length if self.stop_length is not None else 0)
+        if self.streamer is not None and not self.streamer.stopped:
+            stopped = self.stop_length is not None
+            self.streamer.flush(drop=length - self.stop_length if stopped else 0, stop=stopped)
         self.checked = length
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 

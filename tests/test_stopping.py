@@ -12,11 +12,12 @@ import itertools
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.stopping_criteria import EosTokenCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf.integration as integration
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
+from dspark_hf.stopping import first_stops
 from test_lossless_sampling import DRAFT_PROBS, TARGET_PROBS, _log
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table, tiny_tokenizer
 
@@ -96,6 +97,26 @@ def _first_firing(criterion, sequence, start):
         if bool(criterion(sequence[None, :length], None)[0]):
             return length
     return None
+
+
+def test_first_stops_equals_a_prefix_by_prefix_check():
+    # The vectorised search (stop-string windows in one call, EOS by isin, length by arithmetic)
+    # against calling every criterion on every prefix, on short and long rows with random starts.
+    tokenizer = _word_tokenizer()
+    gen = torch.Generator().manual_seed(3)
+    fired = 0
+    for trial in range(30):
+        criteria = [StopStringCriteria(tokenizer, ["b c", "a ab", "g"]), StopOnToken({5, 6}), EosTokenCriteria([7, 8]),
+                    MaxLengthCriteria(int(torch.randint(3, 30, (1,), generator=gen)))]
+        chosen = [c for c, keep in zip(criteria, torch.rand(4, generator=gen) < 0.6) if keep]
+        lengths = torch.randint(1, 25, (4,), generator=gen).tolist()
+        sequences = [torch.randint(2, VOCAB, (n,), generator=gen) for n in lengths]
+        starts = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lengths]
+        expected = [_first_firing(StoppingCriteriaList(chosen), seq, start) if chosen else None
+                    for seq, start in zip(sequences, starts)]
+        assert first_stops(chosen, sequences, starts) == expected, f"trial {trial}"
+        fired += sum(e is not None for e in expected)
+    assert fired >= 30
 
 
 # ------------------------------------------------------------------------------------------ batch 1
