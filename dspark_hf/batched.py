@@ -24,9 +24,10 @@ memory stays within about twice the ideal plus one round. Finished rows are remo
 caches with ``batch_select_indices``.
 
 Supported: greedy and sampling, logits processors that do not read the sequence (temperature,
-top-k, top-p, min-p, typical, epsilon, eta), stopping on EOS and length. Anything else (a
-repetition penalty, stop strings, a streamer, scores in the output) is a ``ValueError`` naming the
-setting, never a silent change of the result.
+top-k, top-p, min-p, typical, epsilon, eta), every stopping criterion (EOS, length, stop strings,
+custom criteria: each row stops at its own first firing position; ``max_time`` once a round).
+Anything else (a repetition penalty, a streamer, scores in the output, ``use_cache=False``) is a
+``ValueError`` naming the setting, never a silent change of the result.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                       StoppingCriteriaList)
 from transformers.utils import logging
 
 from .candidate_generator import DSparkGenerationStats, RoundStats, resolve_drafting_gate, resolve_verify_policy
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
+from .stopping import first_stops, positional_criteria
 
 logger = logging.get_logger(__name__)
 
@@ -57,22 +60,16 @@ SEQUENCE_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogit
                             TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
 
 
-def check_batched_support(logits_processor: LogitsProcessorList | None, stopping_criteria: StoppingCriteriaList | None,
-                          generation_config: GenerationConfig, streamer) -> None:
-    """Raises ``ValueError`` for settings batched DSpark generation cannot honour exactly."""
+def check_batched_support(logits_processor: LogitsProcessorList | None, generation_config: GenerationConfig,
+                          streamer) -> None:
+    """Raises ``ValueError`` for settings batched DSpark generation cannot honour exactly (every
+    stopping criterion is honoured, see :func:`batched_dspark_generate`)."""
     unsupported = [type(p).__name__ for p in (logits_processor or []) if not isinstance(p, SEQUENCE_FREE_PROCESSORS)]
     if unsupported:
         raise ValueError(
             f"Batched DSpark generation (batch size > 1) supports logits processors that do not read the sequence "
             f"(temperature, top_k, top_p, min_p, typical_p, epsilon/eta cutoff), got {unsupported}. Drop those "
             "settings (e.g. repetition_penalty, no_repeat_ngram_size, min_new_tokens) or generate one prompt at a time."
-        )
-    other_criteria = [type(c).__name__ for c in (stopping_criteria or [])
-                      if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-    if other_criteria:
-        raise ValueError(
-            f"Batched DSpark generation stops on EOS and length only, got stopping criteria {other_criteria} "
-            "(stop_strings, max_time or custom criteria). Generate one prompt at a time for those."
         )
     if streamer is not None:
         raise ValueError("Streaming needs batch size 1; pass one prompt at a time with a streamer.")
@@ -166,9 +163,15 @@ def batched_dspark_generate(
     attention_mask: torch.Tensor | None,
     logits_processor: LogitsProcessorList | None,
     generation_config: GenerationConfig,
+    stopping_criteria: StoppingCriteriaList | None = None,
 ) -> torch.LongTensor:
     """DSpark decoding of a left-padded batch; returns ``(R, prompt + longest generation)`` token ids,
-    rows that stopped early padded with the pad token (as transformers pads finished rows)."""
+    rows that stopped early padded with the pad token (as transformers pads finished rows).
+
+    Each row stops at the first position where the stopping criteria fire on its own sequence
+    (its left-padded prompt plus its tokens, as plain batched generate passes it); a
+    ``MaxTimeCriteria`` is checked once per round and stops every row.
+    """
     draft.bind_target(target)
     device = input_ids.device
     num_rows, prompt_len = input_ids.shape
@@ -217,13 +220,34 @@ def batched_dspark_generate(
     generated = [[int(t)] for t in first]
     rows = list(range(num_rows))  # original index of each active row
 
-    def finished(r: int) -> bool:
-        return len(generated[r]) >= max_new or generated[r][-1] in eos_set
+    # EOS and length are enforced below as tokens are emitted; other criteria are checked per position.
+    positional = positional_criteria(stopping_criteria, generation_config)
+    clocks = [c for c in stopping_criteria or [] if type(c) is MaxTimeCriteria]
+    stopped: set[int] = set()
 
+    def check_stops(lengths_before: dict[int, int]) -> None:
+        """Cuts each row at the first of its new positions where a positional criterion fires."""
+        if not positional:
+            return
+        # Every row, finished ones included, so a criterion sees row r at index r as in plain generate.
+        sequences = [torch.cat([input_ids[r], torch.tensor(generated[r], dtype=torch.long, device=device)])
+                     for r in range(num_rows)]
+        starts = [prompt_len + lengths_before.get(r, len(generated[r])) for r in range(num_rows)]
+        for r, stop in enumerate(first_stops(positional, sequences, starts, filler=pad_id)):
+            if stop is not None:
+                del generated[r][stop - prompt_len:]
+                stopped.add(r)
+
+    def finished(r: int) -> bool:
+        return len(generated[r]) >= max_new or generated[r][-1] in eos_set or r in stopped
+
+    check_stops({r: 0 for r in range(num_rows)})
     block_offsets = torch.arange(gamma, device=device)
     while True:
         keep = [i for i, r in enumerate(rows) if not finished(r)]
         if not keep:
+            break
+        if any(bool(clock(input_ids[:1], None).any()) for clock in clocks):  # max_time: a clock, once a round
             break
         if len(keep) < len(rows):
             index = torch.tensor(keep, device=device)
@@ -297,12 +321,14 @@ def batched_dspark_generate(
                           kept_slots.to(draft.fc.weight.device))
         next_position = next_position + accepted + 1
         accepted_list, next_list = accepted.tolist(), next_tokens.tolist()
+        lengths_before = {r: len(generated[r]) for r in rows}
         for i, r in enumerate(rows):
             emitted = verify_ids[i, 1 : 1 + accepted_list[i]].tolist() + [next_list[i]]
             eos_at = next((j for j, t in enumerate(emitted) if t in eos_set), None)
             if eos_at is not None:
                 emitted = emitted[: eos_at + 1]
             generated[r].extend(emitted[: max_new - len(generated[r])])
+        check_stops(lengths_before)
         verify_time = time.perf_counter() - t4
         # The scheduler's B counts admitted tokens; the padded forward's cost is charged to it.
         policy.observe_verify(active + sum(lengths), verify_time)

@@ -282,11 +282,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._round_start = 0.0
         self._prefill_start: float | None = None
         self._warned_non_finite = False
+        self._embeds_offset = 0
 
     @torch.no_grad()
     def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
         """Adds the target hidden states of tokens the target processed since the last round."""
-        cur_len = input_ids.shape[1]
+        cur_len = input_ids.shape[1] + self._embeds_offset  # positions the target has seen, prompt embeds included
         num_new = cur_len - 1 - self.cache.length
         if num_new <= 0:
             return
@@ -329,6 +330,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._pending = None
         if is_first_iteration:
             self._prefill_start = self._round_start
+            # With inputs_embeds (alone or longer than input_ids) the prompt's positions are not in input_ids.
+            embeds = (model_kwargs or {}).get("inputs_embeds")
+            if embeds is not None:
+                self._embeds_offset = max(0, embeds.shape[1] - input_ids.shape[1])
             return input_ids, None
         if self._prefill_start is not None:
             self.stats.prefill_time = self._round_start - self._prefill_start

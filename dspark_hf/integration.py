@@ -15,9 +15,11 @@ import inspect
 import transformers
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 
 from .configuration_dspark import is_dspark_config
+from .stopping import DeferredStreamer, ExactStopping, cut_output, positional_criteria
 
 _EXPECTED_PARAMETERS = (
     "generation_config",
@@ -67,6 +69,28 @@ def _as_dspark_draft(assistant_model):
     return assistant_model
 
 
+def _check_inputs_embeds(input_ids, model_kwargs: dict) -> None:
+    """Refuses the ``inputs_embeds`` prompts DSpark generation cannot reproduce exactly."""
+    embeds = model_kwargs.get("inputs_embeds")
+    if embeds is None:
+        return
+    if input_ids.shape[0] > 1:
+        # The batched loop runs its own prefill from input_ids; embeddings would be ignored.
+        raise ValueError(
+            f"Batched DSpark generation (batch size {input_ids.shape[0]}) takes the prompts as input_ids, but "
+            "inputs_embeds was passed. Pass input_ids with an attention_mask, or generate one prompt at a time "
+            "with inputs_embeds."
+        )
+    mask = model_kwargs.get("attention_mask")
+    if embeds.shape[1] > input_ids.shape[1] and mask is not None and not bool(mask.all()):
+        # transformers' assisted loop sizes the attention mask by input_ids, which leave out the
+        # embedded prompt: with padding in it, the mask would no longer line up with the cache.
+        raise ValueError(
+            "DSpark generation from inputs_embeds needs a prompt without padding, but the attention_mask has "
+            "padded positions. Remove the padding from inputs_embeds, or pass the prompt as input_ids."
+        )
+
+
 def install_dspark_dispatch() -> None:
     """Installs the DSpark dispatch into transformers' generation (idempotent; run on import).
 
@@ -74,7 +98,9 @@ def install_dspark_dispatch() -> None:
     mismatched draft fails with DSpark's own message before transformers' generic tokenizer check),
     ``_get_candidate_generator`` (to build :class:`DSparkCandidateGenerator`) and
     ``_assisted_decoding`` (a DSpark draft with batch size > 1 runs
-    :func:`dspark_hf.batched.batched_dspark_generate` instead of transformers' refusal).
+    :func:`dspark_hf.batched.batched_dspark_generate` instead of transformers' refusal; at batch
+    size 1 the call's stopping criteria are checked at every position a round adds, and the output
+    is cut at the first that fires, see :mod:`dspark_hf.stopping`).
     """
     if getattr(GenerationMixin._get_candidate_generator, _MARKER, False):
         return
@@ -123,19 +149,48 @@ def install_dspark_dispatch() -> None:
 
     original_assisted = GenerationMixin._assisted_decoding
 
+    def _assisted_decoding_exact_stops(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus, streamer, inputs_tensor, assistant_model, model_kwargs):
+        # transformers' loop checks the criteria only on the end of each accepted block; this
+        # checks every position a round added, ends the loop at the first that fires and cuts there.
+        positional = positional_criteria(stopping_criteria, generation_config)
+        if not positional:  # EOS, length and time only: the loop already stops exactly
+            return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                     synced_gpus, streamer, inputs_tensor=inputs_tensor,
+                                     assistant_model=assistant_model, **model_kwargs)
+        prompt_len = input_ids.shape[1]
+        deferred = DeferredStreamer(streamer) if streamer is not None else None
+        exact = ExactStopping(stopping_criteria, positional, prompt_len, deferred)
+        output = original_assisted(self, input_ids, logits_processor, StoppingCriteriaList([exact]),
+                                   generation_config, synced_gpus, deferred, inputs_tensor=inputs_tensor,
+                                   assistant_model=assistant_model, **model_kwargs)
+        if exact.stop_length is None:
+            return output
+        return cut_output(output, exact.stop_length, prompt_len)
+
     @functools.wraps(original_assisted)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
                            synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None, **model_kwargs):
         draft = _as_dspark_draft(assistant_model)
-        if draft is None or input_ids.shape[0] == 1:
+        if draft is None:
             return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                      synced_gpus, streamer, inputs_tensor=inputs_tensor,
                                      assistant_model=assistant_model, **model_kwargs)
+        if not generation_config.use_cache:
+            raise ValueError(
+                "DSpark generation verifies drafts against the target's KV cache, but use_cache=False was passed. "
+                "Drop use_cache=False (or set use_cache=True) when passing a DSpark assistant_model."
+            )
+        _check_inputs_embeds(input_ids, model_kwargs)
+        if input_ids.shape[0] == 1:
+            return _assisted_decoding_exact_stops(self, input_ids, logits_processor, stopping_criteria,
+                                                  generation_config, synced_gpus, streamer, inputs_tensor,
+                                                  assistant_model, model_kwargs)
         from .batched import batched_dspark_generate, check_batched_support
 
-        check_batched_support(logits_processor, stopping_criteria, generation_config, streamer)
+        check_batched_support(logits_processor, generation_config, streamer)
         sequences = batched_dspark_generate(self, draft, input_ids, model_kwargs.get("attention_mask"),
-                                            logits_processor, generation_config)
+                                            logits_processor, generation_config, stopping_criteria)
         if generation_config.return_dict_in_generate:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 

@@ -101,7 +101,7 @@ def test_pipeline_with_batch_size():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"repetition_penalty": 1.2}, "RepetitionPenaltyLogitsProcessor"),
-    ({"max_time": 30.0}, "MaxTimeCriteria"),
+    ({"no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
     ({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
 ])
 def test_unsupported_batched_settings(kwargs, match):

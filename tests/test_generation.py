@@ -156,9 +156,8 @@ def test_streamer_and_stopping_criteria():
     stop = StoppingCriteriaList([_StopAfter(prompt.shape[1] + 7)])
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False, stopping_criteria=stop)
     got = target.generate(prompt, max_new_tokens=20, do_sample=False, stopping_criteria=stop, assistant_model=draft)
-    # assisted generation checks stopping criteria once per round, so it may overshoot; never diverges
-    assert got[0, : expected.shape[1]].tolist() == expected[0].tolist()
-    assert got.shape[1] < prompt.shape[1] + 20
+    # transformers' assisted loop checks the criteria once per round; DSpark cuts at the first firing position
+    assert got.tolist() == expected.tolist()
 
 
 def test_left_padded_single_prompt():
