@@ -4,6 +4,8 @@ Position k is drawn from ``softmax(processors(U_k + B_k))`` where ``U_k`` are th
 logits and ``B_k`` the Markov head's bias from the token drawn at k-1. The loop returns the exact
 logits each token was drawn from, because transformers' rejection sampling uses their softmax as the
 draft distribution; any mismatch (another temperature, a missing top-k) would bias the output.
+``U_k + B_k`` is added in the draft's dtype and then widened to float32, as DeepSpec does
+(:func:`add_markov_bias`), so bf16 checkpoints propose exactly the tokens they were trained to.
 
 Confidences ``c_1..c_gamma`` are computed after the loop in one batched call: ``c_k`` reads
 ``x_{k-1}`` (never ``x_k``), and all of ``x_0..x_{gamma-1}`` are known by then. With an
@@ -59,6 +61,15 @@ BACKENDS = ("auto", "reference", "cuda")
 def _may_use_cuda_op(backend: str, base_logits: torch.Tensor) -> bool:
     """Whether to ask :mod:`dspark_hf.cuda_ops` at all (CPU calls never import it)."""
     return backend == "cuda" or (backend == "auto" and base_logits.is_cuda)
+
+
+def add_markov_bias(base_logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``U_k + B_k`` as DeepSpec computes it, as float32: the sum is taken in the draft's dtype
+    (for a bf16 draft it is rounded to bf16) and only then widened for the logits processors and
+    sampling. The drafts were trained with this arithmetic; adding in float32 instead changes the
+    argmax wherever rounding makes a near-tie (about a fifth of 7-token blocks at V = 151,936). In
+    float32 both orders are the same. (Mixed dtypes follow PyTorch's promotion.)"""
+    return (base_logits + bias).float()
 
 
 def inverse_cdf_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.LongTensor:
@@ -145,9 +156,12 @@ def serial_sample(
                                 uniforms=uniforms, admission=admission, num_positions=num_positions)
 
     tokens = torch.empty(batch, gamma, dtype=torch.long, device=base_logits.device)
-    logits = base_logits.float()  # a fresh float32 copy when the backbone runs in half precision
-    if logits.data_ptr() == base_logits.data_ptr():
-        logits = logits.clone()
+    if markov is None:
+        logits = base_logits.float()  # a fresh float32 copy when the backbone runs in half precision
+        if logits.data_ptr() == base_logits.data_ptr():
+            logits = logits.clone()
+    else:  # filled position by position with U_k + B_k (see add_markov_bias)
+        logits = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
     if use_processors:
         sequence = torch.cat([prefix_ids.to(base_logits.device), tokens], dim=1)
         prefix_len = prefix_ids.shape[1]
@@ -157,7 +171,7 @@ def serial_sample(
     for k in range(gamma):
         if markov is not None:
             bias, state = markov.step(prev, hidden_states[:, k], state)
-            logits[:, k] += bias.float()
+            logits[:, k] = add_markov_bias(base_logits[:, k], bias)
         if use_processors:
             logits[:, k] = logits_processor(sequence[:, : prefix_len + k], logits[:, k])
         if do_sample and uniforms is not None:
@@ -230,10 +244,11 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
             start = time.perf_counter()
             base_logits, first = draft.base_logits(hidden_states[:, k:num_positions]), k
             lm_head_seconds = time.perf_counter() - start
-        row = base_logits[:, k - first].float()
+        row = base_logits[:, k - first]
         if markov is not None:
             bias, state = markov.step(prev, hidden_states[:, k], state)
-            row = row + bias.float()
+            row = add_markov_bias(row, bias)
+        row = row.float()
         if use_processors:
             row = logits_processor(sequence, row)
         if do_sample and uniforms is not None:
@@ -258,4 +273,4 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
     )
 
 
-__all__ = ["BACKENDS", "SerialSample", "inverse_cdf_sample", "serial_sample"]
+__all__ = ["BACKENDS", "SerialSample", "add_markov_bias", "inverse_cdf_sample", "serial_sample"]

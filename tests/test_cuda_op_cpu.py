@@ -466,7 +466,10 @@ def emulated_op(heads, U, H, anchor, *, do_sample, temperature, uniforms, fused_
             if temps is not None:
                 c_logit = c_logit / torch.tensor(temps[k])
             confs[:, k] = torch.sigmoid(c_logit)
-        row_logits = (U[:, k].float() + bias) * inv_t
+        row_logits = U[:, k].float() + bias
+        if mutation != "fp32_add":  # DeepSpec's order: the sum is rounded to the dtype, then widened
+            row_logits = row_logits.to(dtype).float()
+        row_logits = row_logits * inv_t
         logits[:, k] = row_logits
         if do_sample and mutation != "argmax_instead_of_sampling":
             tokens[:, k] = tiled_inverse_cdf(row_logits, uniforms[:, k])
@@ -507,6 +510,19 @@ def test_gpu_checks_catch_broken_kernels(mutation):
         return emulated_op(*args, mutation=mutation, **kwargs)
 
     with pytest.raises(AssertionError):
+        gpu.run_case(case, "cpu", run_op=broken)
+
+
+def test_gpu_checks_catch_a_float32_add_in_bf16():
+    """The kernels must add U + bias in the dtype (DeepSpec's order); an fp32 add stays within the
+    logit tolerance, so the check that catches it is that bf16 logits are bf16 values."""
+    case = gpu.Case("mutant-bf16", 600, 32, "vanilla", "markov", torch.bfloat16, 3, 5, False, hidden=32)
+    gpu.run_case(case, "cpu", run_op=emulated_op)
+
+    def broken(*args, **kwargs):
+        return emulated_op(*args, mutation="fp32_add", **kwargs)
+
+    with pytest.raises(AssertionError, match="rounded to the draft's dtype"):
         gpu.run_case(case, "cpu", run_op=broken)
 
 
