@@ -10,7 +10,14 @@ from .hub import checkpoint_format, export, push_to_hub, register_auto_classes, 
 from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
 from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .sampling import SerialSample, serial_sample
-from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, profile_sps
+from .scheduler import (
+    DraftingGate,
+    FixedLengthPolicy,
+    PerPositionThresholdPolicy,
+    PrefixScheduler,
+    ThresholdPolicy,
+    profile_sps,
+)
 
 __version__ = "0.1.0"
 
@@ -24,6 +31,7 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkGenerationStats",
     "FixedLengthPolicy",
+    "PerPositionThresholdPolicy",
     "PrefixScheduler",
     "RoundStats",
     "SerialSample",
