@@ -15,7 +15,9 @@ that will not be verified cost no Markov bias and no logits processors.
 
 This module is the PyTorch reference path; a compiled CUDA op (:mod:`dspark_hf.cuda_ops`) replaces
 the loop behind :func:`serial_sample` on CUDA tensors for the configurations it supports (greedy or
-temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces either path.
+temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces either path. With an
+``admission`` callback the op path keeps the same economy: ``c_1`` is offered before the LM head or
+the op runs (:func:`dspark_hf.cuda_ops.dispatch_admitted`).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def serial_sample(
     """
     if backend not in BACKENDS:
         raise ValueError(f"serial_sample backend must be one of {BACKENDS}, got {backend!r}.")
-    if base_logits is None and (admission is None or _may_use_cuda_op(backend, hidden_states)):
+    if base_logits is None and admission is None:
         base_logits = draft.base_logits(hidden_states)
     batch, gamma = hidden_states.shape[:2]
     markov, confidence = draft.markov_head, draft.confidence_head
@@ -144,12 +146,18 @@ def serial_sample(
         raise ValueError(f"serial_sample admission decides one request; got {batch} rows (use admit_batch).")
     num_positions = gamma if max_positions is None else max(0, min(gamma, max_positions))
     if _may_use_cuda_op(backend, hidden_states):
-        from .cuda_ops import dispatch
+        from .cuda_ops import dispatch, dispatch_admitted
 
-        result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
-                          logits_processor=logits_processor, generator=generator, uniforms=uniforms, backend=backend)
+        if admission is None:
+            result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
+                              logits_processor=logits_processor, generator=generator, uniforms=uniforms,
+                              backend=backend)
+        else:  # keeps the early stop and the lazy LM head (see dispatch_admitted)
+            result = dispatch_admitted(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
+                                       logits_processor=logits_processor, generator=generator, uniforms=uniforms,
+                                       backend=backend, admission=admission, num_positions=num_positions)
         if result is not None:
-            return result if admission is None else _admit_after(result, admission, num_positions)
+            return result
     if admission is not None:
         return _sample_admitted(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
                                 logits_processor=logits_processor, prefix_ids=prefix_ids, generator=generator,
@@ -203,16 +211,19 @@ def _confidence_temperatures(draft: DSparkDraftModel, device) -> torch.Tensor | 
     return None if temperatures is None else torch.tensor(temperatures, device=device, dtype=torch.float32)
 
 
-def _admit_after(result: SerialSample, admission: Callable[[float], bool], num_positions: int) -> SerialSample:
-    """Applies ``admission`` to a fully drawn block (the CUDA op path): same decision, same prefix."""
-    confidences = result.confidences[0].tolist() if result.confidences is not None else [1.0] * num_positions
-    keep = 0
-    for c in confidences[:num_positions]:
-        if not admission(c):
-            break
-        keep += 1
-    return SerialSample(tokens=result.tokens[:, :keep], logits=result.logits[:, :keep],
-                        confidences=result.confidences, uniforms=result.uniforms, num_admitted=keep)
+def position_confidence(draft: DSparkDraftModel, hidden_states: torch.Tensor, k: int, prev: torch.LongTensor,
+                        temperatures: torch.Tensor | None) -> float:
+    """``c_{k+1}`` of one request (draft position ``k``, 0-based) from its hidden state and the
+    previous token ``prev`` (1,), calibrated when ``temperatures`` are given; 1.0 without a
+    confidence head. It never reads the token drawn at position ``k``."""
+    confidence = draft.confidence_head
+    if confidence is None:
+        return 1.0
+    prev_features = draft.markov_head.markov_w1(prev)[:, None] if confidence.with_markov else None
+    conf_logit = confidence.logits(hidden_states[:, k : k + 1], prev_features).float()
+    if temperatures is not None:
+        conf_logit = conf_logit / temperatures[k]
+    return float(torch.sigmoid(conf_logit))
 
 
 def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample, logits_processor, prefix_ids,
@@ -229,14 +240,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
     state = markov.initial_state(1, hidden_states.device, hidden_states.dtype) if markov is not None else None
     tokens, logits, offered = [], [], []
     for k in range(num_positions):
-        if confidence is not None:
-            prev_features = markov.markov_w1(prev)[:, None] if confidence.with_markov else None
-            conf_logit = confidence.logits(hidden_states[:, k : k + 1], prev_features).float()
-            if temperatures is not None:
-                conf_logit = conf_logit / temperatures[k]
-            c = float(torch.sigmoid(conf_logit))
-        else:
-            c = 1.0
+        c = position_confidence(draft, hidden_states, k, prev, temperatures)
         offered.append(c)
         if not admission(c):
             break

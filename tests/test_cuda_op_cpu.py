@@ -530,3 +530,153 @@ def test_distribution_check_on_the_emulated_kernels():
     summary = gpu.check_distribution("cpu", run_op=emulated_op, calls=40)
     assert summary["samples"] == 40 * 64
 
+
+
+# ----------------------------------------------------------------------------- op path with admission
+class LazyHeads(torch.nn.Module):
+    """Test heads plus an LM head whose calls are recorded (how many positions each call covered)."""
+
+    def __init__(self, heads, vocab: int, hidden: int, dtype):
+        super().__init__()
+        self.config, self.markov_head, self.confidence_head = heads.config, heads.markov_head, heads.confidence_head
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
+        torch.nn.init.normal_(self.lm_head.weight, std=hidden ** -0.5 * 3)
+        self.lm_head_calls: list[int] = []
+
+    def _lm_head(self):
+        return self.lm_head
+
+    def base_logits(self, hidden_states):
+        self.lm_head_calls.append(hidden_states.shape[1])
+        return self.lm_head(hidden_states)
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """Pretends CPU tensors are CUDA tensors and the op is built; the op is the PyTorch emulation
+    of the kernels. Records the shape of U for every op call."""
+    calls = []
+
+    def op(draft, U, H, anchor, *, do_sample, temperature=1.0, uniforms=None, generator=None, fused_max_rows=None):
+        calls.append(tuple(U.shape))
+        if do_sample and uniforms is None:
+            uniforms = torch.rand(U.shape[:2], generator=generator)
+        return emulated_op(draft, U, H, anchor.reshape(-1), do_sample=do_sample, temperature=temperature,
+                           uniforms=uniforms, fused_max_rows=4)
+
+    monkeypatch.setattr(dspark_hf.sampling, "_may_use_cuda_op", lambda backend, t: backend != "reference")
+    monkeypatch.setattr(cuda_ops, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)
+    monkeypatch.setattr(cuda_ops, "serial_sample_cuda", op)
+    monkeypatch.delenv("DSPARK_HF_CUDA_OP", raising=False)
+    return calls
+
+
+def _lazy_case(seed=0, gamma=7, calibrated=False):
+    case = _small_case(vocab=512, rank=16, rows=1, gamma=gamma, hidden=32, seed=seed, calibrated=calibrated,
+                       sample=True)
+    heads = gpu.make_heads(case, "cpu")
+    _, H, anchor, uniforms = gpu.make_inputs(case, "cpu")
+    return LazyHeads(heads, case.vocab, case.hidden, case.dtype).eval(), H, anchor, uniforms
+
+
+class CountingPolicy:
+    """Wraps a policy's offers, counting them (a policy must never be offered c_1 twice)."""
+
+    def __init__(self, policy):
+        self.policy, self.offers = policy, []
+
+    def start_round(self):
+        offer = self.policy.start_round()
+
+        def counted(c):
+            self.offers.append(c)
+            return offer(c)
+
+        return counted
+
+
+def test_op_path_refusing_c1_runs_neither_the_lm_head_nor_the_op(emulated_cuda):
+    draft, H, anchor, uniforms = _lazy_case()
+    offers = []
+
+    def refuse(c):
+        offers.append(c)
+        return False
+
+    with torch.no_grad():
+        out = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms, admission=refuse)
+        ref = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms, admission=lambda c: False,
+                            backend="reference")
+    assert out.num_admitted == 0 and out.tokens.shape == (1, 0) and out.logits.shape == (1, 0, 512)
+    assert emulated_cuda == [] and draft.lm_head_calls == []  # the whole economy of a zero round
+    assert len(offers) == 1
+    torch.testing.assert_close(out.confidences, ref.confidences)
+
+
+POLICIES = {
+    "scheduler": lambda: dspark_hf.PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78, 0.76, 0.75, 0.74]),
+    "threshold": lambda: dspark_hf.ThresholdPolicy(0.2),
+    "per-position": lambda: dspark_hf.PerPositionThresholdPolicy(0.45),
+    "fixed": lambda: dspark_hf.FixedLengthPolicy(3),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_op_path_keeps_admission_and_the_lazy_lm_head(emulated_cuda, name):
+    """Same admitted block as the reference admission loop fed the same uniforms; the LM head runs
+    once, on the budget's positions, only in rounds that admit c_1; each c_k is offered once."""
+    admitted, zero_rounds = set(), 0
+    for seed in range(10):
+        draft, H, anchor, uniforms = _lazy_case(seed=seed, calibrated=seed % 2 == 1)
+        budget = 5 if seed % 3 == 0 else 7
+        op_policy, ref_policy = CountingPolicy(POLICIES[name]()), CountingPolicy(POLICIES[name]())
+        calls_before = len(emulated_cuda)
+        with torch.no_grad():
+            out = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms,
+                                admission=op_policy.start_round(), max_positions=budget)
+            head_calls = list(draft.lm_head_calls)
+            ref = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms,
+                                admission=ref_policy.start_round(), max_positions=budget, backend="reference")
+        assert out.num_admitted == ref.num_admitted
+        assert out.tokens.tolist() == ref.tokens.tolist()
+        torch.testing.assert_close(out.logits, ref.logits)
+        torch.testing.assert_close(torch.tensor(op_policy.offers), torch.tensor(ref_policy.offers))
+        torch.testing.assert_close(out.confidences, ref.confidences)
+        if out.num_admitted == 0:
+            zero_rounds += 1
+            assert head_calls == [] and len(emulated_cuda) == calls_before
+        else:
+            assert head_calls == [budget] and emulated_cuda[calls_before:] == [(1, budget, 512)]
+        admitted.add(out.num_admitted)
+    if name == "fixed":
+        assert admitted == {3}
+    else:
+        assert len(admitted) >= 3 and zero_rounds > 0, f"the cases should admit several lengths, got {admitted}"
+
+
+def test_generation_through_the_op_path_is_lossless_and_lazy(emulated_cuda, monkeypatch):
+    """target.generate(assistant_model=draft) with the (emulated) op: greedy output identical to the
+    target alone; rounds that verify nothing never ran the LM head or the op."""
+    from dspark_hf import DSparkDraftModel, PrefixScheduler
+    from tiny_models import random_target
+
+    target = random_target(vocab_size=64, context_scale=0.3)
+    draft = DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
+    head_calls = []
+    original = draft.base_logits
+    monkeypatch.setattr(draft, "base_logits", lambda h: head_calls.append(h.shape[1]) or original(h))
+    draft.verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.4])  # admits x_1 only when c_1 > 2/3
+    draft.adaptive_drafting = False
+    prompt = torch.tensor([[3, 7, 11, 2, 9]])
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert out.tolist() == expected.tolist()
+    rounds = [r for r in draft.generation_stats.rounds if r.drafted]
+    verifying = sum(1 for r in rounds if r.verified > 0)
+    assert verifying > 0 and len(emulated_cuda) == verifying and len(head_calls) == verifying
+    assert any(r.verified == 0 for r in rounds), "the scheduler should refuse some rounds outright"
