@@ -17,6 +17,10 @@ torch/CUDA/Python version. It needs a CUDA build of PyTorch, a visible GPU, ``nv
 a C++ compiler and ninja; otherwise :func:`load_extension` raises :class:`CudaOpUnavailable`
 saying which is missing.
 
+Launches: the op launches ``1 + 2 * gamma`` kernels per call. ``DSPARK_HF_CUDA_GRAPH=1`` (or
+``serial_sample_cuda(..., graph=True)``) replays them as one captured CUDA graph per shape instead
+(:mod:`dspark_hf.cuda_graphs`); off by default until ``tests/gpu/run_gpu_checks.sh`` has measured it.
+
 Randomness: the op draws token k of row r as the inverse CDF of ``softmax(logits)`` at
 ``uniforms[r, k]``. The uniforms are an input: :func:`serial_sample_cuda` makes them with
 ``torch.rand(..., generator=generator)`` when the caller gives none, and returns them, so the
@@ -46,6 +50,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
+from .cuda_graphs import GraphCache, can_capture, graphs_enabled
 from .sampling import SerialSample, position_confidence
 from .scheduler import default_cache_dir
 
@@ -100,6 +105,7 @@ def _define_operator() -> torch.library.Library | None:
 
 
 _LIBRARY = _define_operator()  # kept alive: the registrations last as long as this object
+_GRAPHS = GraphCache()  # captured op calls (serial_sample_cuda(graph=True)), per shape and weights
 
 
 # ----------------------------------------------------------------------------- building
@@ -258,6 +264,11 @@ def unsupported_reason(
     return None
 
 
+def _run_op(*args):
+    """``torch.ops.dspark_hf.serial_sample`` (a seam: the CPU tests put the kernels' emulation here)."""
+    return torch.ops.dspark_hf.serial_sample(*args)
+
+
 def _confidence_temperatures(draft, device) -> torch.Tensor | None:
     """The config's calibration temperatures as a cached fp32 device tensor (no copy per call, so
     calls can be captured in a CUDA graph once the cache is warm)."""
@@ -286,6 +297,7 @@ def serial_sample_cuda(
     uniforms: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     fused_max_rows: int | None = None,
+    graph: bool | None = None,
 ) -> SerialSample:
     """Runs the CUDA op on one block (no support checks: see :func:`unsupported_reason`).
 
@@ -293,24 +305,20 @@ def serial_sample_cuda(
     list. With ``do_sample`` and no ``uniforms``, they are drawn with ``torch.rand`` from
     ``generator`` (or the default CUDA generator) and returned in the result. ``fused_max_rows``
     (default :data:`FUSED_MAX_ROWS`) picks the fused W2 pass for batches up to that size; 0 forces
-    the cuBLAS bias path.
+    the cuBLAS bias path. ``graph`` replays the op's kernels as one CUDA graph per shape
+    (:mod:`dspark_hf.cuda_graphs`: same kernels, same results, one launch instead of
+    ``1 + 2 * gamma``); None (default) reads ``DSPARK_HF_CUDA_GRAPH`` (off unless set to 1).
     """
     load_extension()
     rows, gamma, _ = base_logits.shape
     device = base_logits.device
     markov, confidence = draft.markov_head, draft.confidence_head
-    if do_sample:
-        if uniforms is None:
-            uniforms = torch.rand((rows, gamma), device=device, dtype=torch.float32, generator=generator)
-        else:
-            uniforms = uniforms.to(device=device, dtype=torch.float32)
-    else:
+    if do_sample and uniforms is not None:
+        uniforms = uniforms.to(device=device, dtype=torch.float32)
+    elif not do_sample:
         uniforms = None
     gated = markov is not None and markov.head_type == "gated"
-    tokens, logits, confidences = torch.ops.dspark_hf.serial_sample(
-        base_logits,
-        hidden_states,
-        anchor_ids.reshape(rows).to(device=device, dtype=torch.long),
+    weights = (
         markov.markov_w1.weight if markov is not None else None,
         markov.markov_w2.weight if markov is not None else None,
         markov.gate_proj.weight if gated else None,
@@ -318,10 +326,31 @@ def serial_sample_cuda(
         confidence.proj.weight if confidence is not None else None,
         confidence.proj.bias if confidence is not None else None,
         _confidence_temperatures(draft, device) if confidence is not None else None,
-        uniforms,
-        float(temperature),
-        FUSED_MAX_ROWS if fused_max_rows is None else int(fused_max_rows),
     )
+    settings = (float(temperature), FUSED_MAX_ROWS if fused_max_rows is None else int(fused_max_rows))
+    anchor = anchor_ids.reshape(rows).to(device=device, dtype=torch.long)
+
+    def op(U, H, x0, u):
+        return _run_op(U, H, x0, *weights, u, *settings)
+
+    if graphs_enabled(graph) and can_capture(device):
+        key = (tuple(base_logits.shape), base_logits.dtype, tuple(hidden_states.shape), str(device), do_sample,
+               settings, tuple(w.data_ptr() if w is not None else 0 for w in weights))
+        example_u = uniforms if uniforms is not None else (
+            torch.zeros((rows, gamma), device=device, dtype=torch.float32) if do_sample else None)
+        captured = _GRAPHS.get(key, op, (base_logits, hidden_states, anchor, example_u))
+
+        def draw(static):  # same numbers as torch.rand(..., generator=generator)
+            static[3].uniform_(0.0, 1.0, generator=generator)
+
+        fill = draw if do_sample and uniforms is None else None
+        tokens, logits, confidences = captured.run((base_logits, hidden_states, anchor, uniforms), fill)
+        if fill is not None:
+            uniforms = captured.static_inputs[3].clone()
+    else:
+        if do_sample and uniforms is None:
+            uniforms = torch.rand((rows, gamma), device=device, dtype=torch.float32, generator=generator)
+        tokens, logits, confidences = op(base_logits, hidden_states, anchor, uniforms)
     return SerialSample(
         tokens=tokens, logits=logits, confidences=confidences if confidence is not None else None, uniforms=uniforms
     )

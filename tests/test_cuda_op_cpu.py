@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from torch.utils import cpp_extension
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf
-from dspark_hf import cuda_ops
+from dspark_hf import cuda_graphs, cuda_ops
 from dspark_hf.sampling import SerialSample, inverse_cdf_sample, serial_sample
 
 CSRC = Path(cuda_ops.__file__).parent / "csrc"
@@ -533,24 +534,6 @@ def test_distribution_check_on_the_emulated_kernels():
 
 
 # ----------------------------------------------------------------------------- op path with admission
-class LazyHeads(torch.nn.Module):
-    """Test heads plus an LM head whose calls are recorded (how many positions each call covered)."""
-
-    def __init__(self, heads, vocab: int, hidden: int, dtype):
-        super().__init__()
-        self.config, self.markov_head, self.confidence_head = heads.config, heads.markov_head, heads.confidence_head
-        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
-        torch.nn.init.normal_(self.lm_head.weight, std=hidden ** -0.5 * 3)
-        self.lm_head_calls: list[int] = []
-
-    def _lm_head(self):
-        return self.lm_head
-
-    def base_logits(self, hidden_states):
-        self.lm_head_calls.append(hidden_states.shape[1])
-        return self.lm_head(hidden_states)
-
-
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     """Pretends CPU tensors are CUDA tensors and the op is built; the op is the PyTorch emulation
@@ -577,7 +560,7 @@ def _lazy_case(seed=0, gamma=7, calibrated=False):
                        sample=True)
     heads = gpu.make_heads(case, "cpu")
     _, H, anchor, uniforms = gpu.make_inputs(case, "cpu")
-    return LazyHeads(heads, case.vocab, case.hidden, case.dtype).eval(), H, anchor, uniforms
+    return gpu.LazyHeads(heads, case.vocab, case.hidden, case.dtype).eval(), H, anchor, uniforms
 
 
 class CountingPolicy:
@@ -680,3 +663,97 @@ def test_generation_through_the_op_path_is_lossless_and_lazy(emulated_cuda, monk
     verifying = sum(1 for r in rounds if r.verified > 0)
     assert verifying > 0 and len(emulated_cuda) == verifying and len(head_calls) == verifying
     assert any(r.verified == 0 for r in rounds), "the scheduler should refuse some rounds outright"
+
+
+# ----------------------------------------------------------------------------- CUDA-graph replay (plumbing)
+def _raw_emulation(heads):
+    """The operator's raw signature over the kernels' emulation of ``heads``."""
+
+    def run(U, H, anchor, w1, w2, gate_w, gate_b, conf_w, conf_b, conf_temp, uniforms, temperature, fused):
+        out = emulated_op(heads, U, H, anchor, do_sample=uniforms is not None, temperature=temperature,
+                          uniforms=uniforms, fused_max_rows=fused)
+        return out.tokens, out.logits, out.confidences if out.confidences is not None else torch.empty(0)
+
+    return run
+
+
+class ReplayingGraph:
+    """A CPU model of a captured CUDA graph: replay reruns the captured work on the static input
+    buffers and writes the results into the same output tensors."""
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs, self.replays = fn, inputs, 0
+        self.outputs = tuple(t.clone() for t in fn(*inputs))
+
+    def replay(self):
+        self.replays += 1
+        for out, new in zip(self.outputs, self.fn(*self.inputs)):
+            out.copy_(new)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    captures = []
+
+    def capture(fn, inputs):
+        graph = ReplayingGraph(fn, inputs)
+        captures.append(graph)
+        return graph, graph.outputs
+
+    monkeypatch.setattr(cuda_graphs.StaticGraph, "_capture", staticmethod(capture))
+    monkeypatch.setattr(cuda_ops, "can_capture", lambda device: True)
+    monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)
+    monkeypatch.setattr(cuda_ops, "_GRAPHS", cuda_graphs.GraphCache(max_graphs=2))
+    monkeypatch.delenv(cuda_graphs.ENV_SWITCH, raising=False)
+    return captures
+
+
+@torch.no_grad()
+def test_graphed_op_gives_the_eager_results_and_captures_once_per_shape(fake_graphs, monkeypatch):
+    case = gpu.Case("graph", 600, 32, "gated", "markov", torch.bfloat16, 1, 7, True, 0.7, hidden=32, calibrated=True)
+    heads = gpu.make_heads(case, "cpu")
+    monkeypatch.setattr(cuda_ops, "_run_op", _raw_emulation(heads))
+    results = []
+    for seed in range(3):
+        U, H, anchor, _ = gpu.make_inputs(replace(case, seed=seed), "cpu")
+        kwargs = dict(do_sample=True, temperature=0.7)
+        eager = cuda_ops.serial_sample_cuda(heads, U, H, anchor, generator=torch.Generator().manual_seed(seed),
+                                            graph=False, **kwargs)
+        graphed = cuda_ops.serial_sample_cuda(heads, U, H, anchor, generator=torch.Generator().manual_seed(seed),
+                                              graph=True, **kwargs)
+        assert torch.equal(graphed.uniforms, torch.rand(1, 7, generator=torch.Generator().manual_seed(seed)))
+        assert torch.equal(eager.uniforms, graphed.uniforms)
+        for name in ("tokens", "logits", "confidences"):
+            assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
+        results.append((graphed, eager))
+    # one capture for the shape, replayed for every call; earlier results are not overwritten
+    assert len(fake_graphs) == 1 and fake_graphs[0].replays == 3
+    for graphed, eager in results:
+        assert torch.equal(graphed.logits, eager.logits) and torch.equal(graphed.tokens, eager.tokens)
+    # given uniforms and greedy calls are other keys; the cache keeps the two most recent
+    U, H, anchor, uniforms = gpu.make_inputs(case, "cpu")
+    given = cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=True, temperature=0.7, uniforms=uniforms,
+                                        graph=True)
+    assert torch.equal(given.uniforms, uniforms) and len(fake_graphs) == 1  # same key: replayed
+    greedy = cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False, graph=True)
+    assert greedy.uniforms is None and torch.equal(greedy.tokens, greedy.logits.argmax(-1))
+    assert len(fake_graphs) == 2 and len(cuda_ops._GRAPHS) == 2
+    cuda_ops.serial_sample_cuda(heads, U[:, :4].contiguous(), H[:, :4].contiguous(), anchor, do_sample=False,
+                                graph=True)
+    assert len(fake_graphs) == 3 and len(cuda_ops._GRAPHS) == 2
+
+
+@torch.no_grad()
+def test_graphs_follow_the_environment_switch(fake_graphs, monkeypatch):
+    case = gpu.Case("graph-env", 300, 16, "vanilla", "plain", torch.float32, 1, 3, False, hidden=32)
+    heads = gpu.make_heads(case, "cpu")
+    monkeypatch.setattr(cuda_ops, "_run_op", _raw_emulation(heads))
+    U, H, anchor, _ = gpu.make_inputs(case, "cpu")
+    cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False)
+    assert fake_graphs == []  # off by default
+    monkeypatch.setenv(cuda_graphs.ENV_SWITCH, "1")
+    cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False)
+    assert len(fake_graphs) == 1 and fake_graphs[0].replays == 1
+    monkeypatch.setattr(cuda_ops, "can_capture", lambda device: False)  # e.g. inside an outer capture
+    cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False)
+    assert fake_graphs[0].replays == 1 and len(fake_graphs) == 1
