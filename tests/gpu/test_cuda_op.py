@@ -320,11 +320,14 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: 
     return torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2.0, dtype=torch.float64), chi2 / 2).item()
 
 
-def check_distribution(device, run_op=run_cuda_op, calls: int = 200, rows: int = 64) -> dict:
+def check_distribution(device, run_op=run_cuda_op, calls: int = 200, rows: int = 64, case: Case | None = None) -> dict:
     """Identical rows sampled many times (uniforms from torch.rand): position 1 follows
     softmax(returned logits) (and not the logits without the temperature: power check); position 2,
-    given the most frequent first token, follows its returned logits."""
-    case = Case("distribution", 300, 16, "vanilla", "markov", F32, rows, 2, True, 0.7, seed=5)
+    given the most frequent first token, follows its returned logits. ``case`` (default: V = 300,
+    fp32, T = 0.7) sets the problem; its rows, gamma and sampling are set here."""
+    if case is None:
+        case = Case("distribution", 300, 16, "vanilla", "markov", F32, rows, 2, True, 0.7, seed=5)
+    case = replace(case, rows=rows, gamma=2, sample=True)
     heads = make_heads(case, device)
     U, H, anchor, _ = make_inputs(replace(case, rows=1), device)
     U, H, anchor = U.expand(rows, -1, -1).contiguous(), H.expand(rows, -1, -1).contiguous(), anchor.expand(rows)
