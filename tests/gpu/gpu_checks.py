@@ -453,7 +453,7 @@ def main() -> None:
     if args.stage == "summary":
         print(write_summary(args.out))
         return
-    if not args.dry_run:
+    if not args.dry_run and args.stage != "env":  # the build stage compiled it; this loads the cached build
         from dspark_hf import cuda_ops
 
         cuda_ops.load_extension()
