@@ -12,8 +12,8 @@ from .hub import checkpoint_format, export, push_to_hub, register_auto_classes, 
 from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
 from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .sampling import SerialSample, serial_sample
-from .scheduler import (DraftingGate, FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy, profile_sps,
-                        shared_cost_model)
+from .scheduler import (DraftingGate, FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy,
+                        VerifyPolicy, profile_sps, shared_cost_model)
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkGenerationStats",
     "FixedLengthPolicy",
+    "PerPositionThresholdPolicy",
     "PrefixScheduler",
     "RoundStats",
     "SerialSample",

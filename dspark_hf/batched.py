@@ -45,8 +45,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
-from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
-                                                       StoppingCriteriaList)
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
+
+
 from transformers.utils import logging
 
 from .candidate_generator import DSparkGenerationStats, RoundStats, resolve_drafting_gate, resolve_verify_policy

@@ -123,6 +123,23 @@ class DSparkConfig(PreTrainedConfig):
         return result
 
     @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' loader, with a recognised draft layout's ``model_type`` read as ``"dspark"``.
+
+        DeepSpec and z-lab ``config.json`` files are copies of the target's config, so they say
+        ``model_type: "qwen3"``; transformers would then warn that a ``qwen3`` checkpoint "can
+        yield errors" in a ``dspark`` model. For these layouts that is expected and handled (the
+        field is dropped in ``__post_init__`` anyway), so the warning is silenced for them only:
+        any other foreign ``model_type`` still warns.
+        """
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type", cls.model_type) != cls.model_type and is_recognised_draft_config_dict(
+            config_dict
+        ):
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
+
+    @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
         """No-op. ``import dspark_hf`` registers this class with ``AutoConfig`` itself, and Hub folders
         get thin remote-code files from :func:`dspark_hf.hub.export`. transformers calls this after a
@@ -289,6 +306,15 @@ def is_dspark_config(config) -> bool:
     return any(str(a).endswith(DSPARK_ARCHITECTURE_SUFFIXES) for a in architectures)
 
 
+def is_recognised_draft_config_dict(config_dict: dict) -> bool:
+    """True for a ``config.json`` dict in a draft layout this library reads although its
+    ``model_type`` is the target's: DeepSpec's (a ``...DSparkModel`` architecture) or z-lab's DFlash."""
+    architectures = config_dict.get("architectures") or []
+    return any(str(a).endswith(DSPARK_ARCHITECTURE_SUFFIXES) for a in architectures) or is_zlab_dflash_config_dict(
+        config_dict
+    )
+
+
 # --------------------------------------------------------------------------- z-lab DFlash configs
 # Facts from z-lab's published DFlash code (dflash/model.py): a value in ``dflash_config`` wins over
 # the top-level one; ``target_layer_ids`` and ``mask_token_id`` are required; ``block_size``
@@ -381,6 +407,7 @@ def translate_zlab_dflash_config(config_dict: dict) -> dict:
 __all__ = [
     "DSparkConfig",
     "is_dspark_config",
+    "is_recognised_draft_config_dict",
     "is_zlab_dflash_config_dict",
     "translate_zlab_dflash_config",
 ]

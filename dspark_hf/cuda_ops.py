@@ -17,6 +17,10 @@ torch/CUDA/Python version. It needs a CUDA build of PyTorch, a visible GPU, ``nv
 a C++ compiler and ninja; otherwise :func:`load_extension` raises :class:`CudaOpUnavailable`
 saying which is missing.
 
+Launches: the op launches ``1 + 2 * gamma`` kernels per call. ``DSPARK_HF_CUDA_GRAPH=1`` (or
+``serial_sample_cuda(..., graph=True)``) replays them as one captured CUDA graph per shape instead
+(:mod:`dspark_hf.cuda_graphs`); off by default until ``tests/gpu/run_gpu_checks.sh`` has measured it.
+
 Randomness: the op draws token k of row r as the inverse CDF of ``softmax(logits)`` at
 ``uniforms[r, k]``. The uniforms are an input: :func:`serial_sample_cuda` makes them with
 ``torch.rand(..., generator=generator)`` when the caller gives none, and returns them, so the
@@ -39,13 +43,15 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
-from .sampling import SerialSample
+from .cuda_graphs import GraphCache, can_capture, graphs_enabled
+from .sampling import SerialSample, position_confidence
 from .scheduler import default_cache_dir
 
 logger = logging.get_logger(__name__)
@@ -99,6 +105,7 @@ def _define_operator() -> torch.library.Library | None:
 
 
 _LIBRARY = _define_operator()  # kept alive: the registrations last as long as this object
+_GRAPHS = GraphCache()  # captured op calls (serial_sample_cuda(graph=True)), per shape and weights
 
 
 # ----------------------------------------------------------------------------- building
@@ -257,6 +264,11 @@ def unsupported_reason(
     return None
 
 
+def _run_op(*args):
+    """``torch.ops.dspark_hf.serial_sample`` (a seam: the CPU tests put the kernels' emulation here)."""
+    return torch.ops.dspark_hf.serial_sample(*args)
+
+
 def _confidence_temperatures(draft, device) -> torch.Tensor | None:
     """The config's calibration temperatures as a cached fp32 device tensor (no copy per call, so
     calls can be captured in a CUDA graph once the cache is warm)."""
@@ -285,6 +297,7 @@ def serial_sample_cuda(
     uniforms: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     fused_max_rows: int | None = None,
+    graph: bool | None = None,
 ) -> SerialSample:
     """Runs the CUDA op on one block (no support checks: see :func:`unsupported_reason`).
 
@@ -292,24 +305,20 @@ def serial_sample_cuda(
     list. With ``do_sample`` and no ``uniforms``, they are drawn with ``torch.rand`` from
     ``generator`` (or the default CUDA generator) and returned in the result. ``fused_max_rows``
     (default :data:`FUSED_MAX_ROWS`) picks the fused W2 pass for batches up to that size; 0 forces
-    the cuBLAS bias path.
+    the cuBLAS bias path. ``graph`` replays the op's kernels as one CUDA graph per shape
+    (:mod:`dspark_hf.cuda_graphs`: same kernels, same results, one launch instead of
+    ``1 + 2 * gamma``); None (default) reads ``DSPARK_HF_CUDA_GRAPH`` (off unless set to 1).
     """
     load_extension()
     rows, gamma, _ = base_logits.shape
     device = base_logits.device
     markov, confidence = draft.markov_head, draft.confidence_head
-    if do_sample:
-        if uniforms is None:
-            uniforms = torch.rand((rows, gamma), device=device, dtype=torch.float32, generator=generator)
-        else:
-            uniforms = uniforms.to(device=device, dtype=torch.float32)
-    else:
+    if do_sample and uniforms is not None:
+        uniforms = uniforms.to(device=device, dtype=torch.float32)
+    elif not do_sample:
         uniforms = None
     gated = markov is not None and markov.head_type == "gated"
-    tokens, logits, confidences = torch.ops.dspark_hf.serial_sample(
-        base_logits,
-        hidden_states,
-        anchor_ids.reshape(rows).to(device=device, dtype=torch.long),
+    weights = (
         markov.markov_w1.weight if markov is not None else None,
         markov.markov_w2.weight if markov is not None else None,
         markov.gate_proj.weight if gated else None,
@@ -317,13 +326,77 @@ def serial_sample_cuda(
         confidence.proj.weight if confidence is not None else None,
         confidence.proj.bias if confidence is not None else None,
         _confidence_temperatures(draft, device) if confidence is not None else None,
-        uniforms,
-        float(temperature),
-        FUSED_MAX_ROWS if fused_max_rows is None else int(fused_max_rows),
     )
+    settings = (float(temperature), FUSED_MAX_ROWS if fused_max_rows is None else int(fused_max_rows))
+    anchor = anchor_ids.reshape(rows).to(device=device, dtype=torch.long)
+
+    def op(U, H, x0, u):
+        return _run_op(U, H, x0, *weights, u, *settings)
+
+    if graphs_enabled(graph) and can_capture(device):
+        key = (tuple(base_logits.shape), base_logits.dtype, tuple(hidden_states.shape), str(device), do_sample,
+               settings, tuple(w.data_ptr() if w is not None else 0 for w in weights))
+        example_u = uniforms if uniforms is not None else (
+            torch.zeros((rows, gamma), device=device, dtype=torch.float32) if do_sample else None)
+        captured = _GRAPHS.get(key, op, (base_logits, hidden_states, anchor, example_u))
+
+        def draw(static):  # same numbers as torch.rand(..., generator=generator)
+            static[3].uniform_(0.0, 1.0, generator=generator)
+
+        fill = draw if do_sample and uniforms is None else None
+        tokens, logits, confidences = captured.run((base_logits, hidden_states, anchor, uniforms), fill)
+        if fill is not None:
+            uniforms = captured.static_inputs[3].clone()
+    else:
+        if do_sample and uniforms is None:
+            uniforms = torch.rand((rows, gamma), device=device, dtype=torch.float32, generator=generator)
+        tokens, logits, confidences = op(base_logits, hidden_states, anchor, uniforms)
     return SerialSample(
         tokens=tokens, logits=logits, confidences=confidences if confidence is not None else None, uniforms=uniforms
     )
+
+
+def op_applies(
+    draft,
+    base_logits: torch.Tensor,
+    hidden_states: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    logits_processor: LogitsProcessorList | None,
+    uniforms: torch.Tensor | None,
+    backend: str,
+) -> bool:
+    """Whether :func:`~dspark_hf.sampling.serial_sample` runs this call on the op (builds it on first use).
+
+    ``backend="auto"``: True when :func:`unsupported_reason` finds nothing and the extension
+    builds (a build failure warns once and falls back); ``DSPARK_HF_CUDA_OP=0`` in the environment
+    turns this off. ``backend="cuda"``: True or an error, ``ValueError`` for an unsupported call,
+    :class:`CudaOpUnavailable` (a ``RuntimeError``) when the op cannot be built here.
+    ``base_logits`` may be a stand-in of the right shape, dtype and device (only those are read).
+    """
+    if backend == "reference":
+        return False
+    forced = backend == "cuda"
+    if not forced and os.environ.get("DSPARK_HF_CUDA_OP", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    reason = unsupported_reason(
+        draft, base_logits, hidden_states, anchor_ids, logits_processor=logits_processor, uniforms=uniforms
+    )
+    if reason is not None:
+        if forced:
+            raise ValueError(f"serial_sample(backend='cuda') cannot use the CUDA op: {reason}.")
+        return False
+    try:
+        load_extension()
+    except CudaOpUnavailable as err:
+        if forced:
+            raise
+        message = str(err)
+        if message not in _warned:
+            _warned.add(message)
+            logger.warning(f"{message} Falling back to the PyTorch serial-sampling loop.")
+        return False
+    return True
 
 
 def dispatch(
@@ -338,34 +411,10 @@ def dispatch(
     uniforms: torch.Tensor | None,
     backend: str,
 ) -> SerialSample | None:
-    """The op's result for :func:`~dspark_hf.sampling.serial_sample`, or None to run the reference.
-
-    ``backend="auto"``: the op when :func:`unsupported_reason` finds nothing and the extension
-    builds (a build failure warns once and falls back); ``DSPARK_HF_CUDA_OP=0`` in the environment
-    turns this off. ``backend="cuda"``: the op or an error, ``ValueError`` for an unsupported call,
-    :class:`CudaOpUnavailable` (a ``RuntimeError``) when the op cannot be built here.
-    """
-    if backend == "reference":
-        return None
-    forced = backend == "cuda"
-    if not forced and os.environ.get("DSPARK_HF_CUDA_OP", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    reason = unsupported_reason(
-        draft, base_logits, hidden_states, anchor_ids, logits_processor=logits_processor, uniforms=uniforms
-    )
-    if reason is not None:
-        if forced:
-            raise ValueError(f"serial_sample(backend='cuda') cannot use the CUDA op: {reason}.")
-        return None
-    try:
-        load_extension()
-    except CudaOpUnavailable as err:
-        if forced:
-            raise
-        message = str(err)
-        if message not in _warned:
-            _warned.add(message)
-            logger.warning(f"{message} Falling back to the PyTorch serial-sampling loop.")
+    """The op's result for :func:`~dspark_hf.sampling.serial_sample`, or None to run the reference
+    (see :func:`op_applies` for when)."""
+    if not op_applies(draft, base_logits, hidden_states, anchor_ids, logits_processor=logits_processor,
+                      uniforms=uniforms, backend=backend):
         return None
     return serial_sample_cuda(
         draft,
@@ -379,15 +428,96 @@ def dispatch(
     )
 
 
+def _lazy_logits_stand_in(draft, hidden_states: torch.Tensor) -> torch.Tensor:
+    """What the LM head would return for ``hidden_states`` (shape, dtype, device), without running
+    it: one element, expanded (:func:`unsupported_reason` reads only those)."""
+    weight = draft._lm_head().weight
+    rows, gamma = hidden_states.shape[:2]
+    return torch.empty((), dtype=weight.dtype, device=hidden_states.device).expand(rows, gamma, weight.shape[0])
+
+
+def dispatch_admitted(
+    draft,
+    base_logits: torch.Tensor | None,
+    hidden_states: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    do_sample: bool,
+    logits_processor: LogitsProcessorList | None,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None,
+    backend: str,
+    admission: Callable[[float], bool],
+    num_positions: int,
+) -> SerialSample | None:
+    """The op path for one request decided by the verify policy's ``admission`` (its incremental
+    ``offer``), or None to run the reference loop.
+
+    It keeps the reference loop's economy: ``c_1`` (a dot product over the hidden state and the
+    anchor's Markov feature) is computed and offered before anything vocabulary-sized runs, so a
+    round that verifies nothing runs neither the LM head (``base_logits=None``: computed lazily)
+    nor the op. Once ``c_1`` is admitted, the LM head runs on the ``num_positions`` positions of
+    the length budget, the op draws them in one call, and its ``c_2, c_3, ...`` are offered in
+    order up to the first refusal. Lossless like the reference: admitting position ``k`` depends
+    on ``c_1..c_k`` only, each known before ``x_k`` is drawn; positions drawn past the refusal are
+    discarded, and with them their uniforms.
+    """
+    stand_in = base_logits if base_logits is not None else _lazy_logits_stand_in(draft, hidden_states)
+    if not op_applies(draft, stand_in, hidden_states, anchor_ids, logits_processor=logits_processor,
+                      uniforms=uniforms, backend=backend):
+        return None
+    device = hidden_states.device
+    has_confidence = draft.confidence_head is not None
+    anchor = anchor_ids.reshape(1).to(device)
+    offered: list[float] = []
+    keep, result, lm_head_seconds = 0, None, 0.0
+    if num_positions > 0:
+        temperatures = _confidence_temperatures(draft, device) if has_confidence else None
+        offered.append(position_confidence(draft, hidden_states, 0, anchor, temperatures))
+    if offered and admission(offered[0]):
+        if base_logits is None:
+            start = time.perf_counter()
+            base_logits = draft.base_logits(hidden_states[:, :num_positions])
+            lm_head_seconds = time.perf_counter() - start
+        result = serial_sample_cuda(
+            draft, base_logits[:, :num_positions], hidden_states[:, :num_positions], anchor, do_sample=do_sample,
+            temperature=processor_temperature(logits_processor),
+            uniforms=uniforms[:, :num_positions] if uniforms is not None else None, generator=generator,
+        )
+        keep = 1
+        later = result.confidences[0, 1:].tolist() if has_confidence else [1.0] * (num_positions - 1)
+        for c in later:
+            offered.append(c)
+            if not admission(c):
+                break
+            keep += 1
+    if result is None:
+        tokens = torch.empty(1, 0, dtype=torch.long, device=device)
+        logits = torch.empty(1, 0, stand_in.shape[-1], device=device)
+        drawn_uniforms = uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None
+    else:
+        tokens, logits, drawn_uniforms = result.tokens[:, :keep], result.logits[:, :keep], result.uniforms
+    return SerialSample(
+        tokens=tokens,
+        logits=logits,
+        confidences=torch.tensor([offered], dtype=torch.float32, device=device) if has_confidence else None,
+        uniforms=drawn_uniforms,
+        num_admitted=keep,
+        lm_head_seconds=lm_head_seconds,
+    )
+
+
 __all__ = [
     "CudaOpUnavailable",
     "FUSED_MAX_ROWS",
     "OP_QUALNAME",
     "build_problem",
     "dispatch",
+    "dispatch_admitted",
     "extension_dir",
     "is_loaded",
     "load_extension",
+    "op_applies",
     "processor_temperature",
     "serial_sample_cuda",
     "unsupported_reason",

@@ -4,6 +4,8 @@ Position k is drawn from ``softmax(processors(U_k + B_k))`` where ``U_k`` are th
 logits and ``B_k`` the Markov head's bias from the token drawn at k-1. The loop returns the exact
 logits each token was drawn from, because transformers' rejection sampling uses their softmax as the
 draft distribution; any mismatch (another temperature, a missing top-k) would bias the output.
+``U_k + B_k`` is added in the draft's dtype and then widened to float32, as DeepSpec does
+(:func:`add_markov_bias`), so bf16 checkpoints propose exactly the tokens they were trained to.
 
 Confidences ``c_1..c_gamma`` are computed after the loop in one batched call: ``c_k`` reads
 ``x_{k-1}`` (never ``x_k``), and all of ``x_0..x_{gamma-1}`` are known by then. With an
@@ -13,7 +15,9 @@ that will not be verified cost no Markov bias and no logits processors.
 
 This module is the PyTorch reference path; a compiled CUDA op (:mod:`dspark_hf.cuda_ops`) replaces
 the loop behind :func:`serial_sample` on CUDA tensors for the configurations it supports (greedy or
-temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces either path.
+temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces either path. With an
+``admission`` callback the op path keeps the same economy: ``c_1`` is offered before the LM head or
+the op runs (:func:`dspark_hf.cuda_ops.dispatch_admitted`).
 """
 
 from __future__ import annotations
@@ -92,6 +96,15 @@ def _may_use_cuda_op(backend: str, base_logits: torch.Tensor) -> bool:
     return backend == "cuda" or (backend == "auto" and base_logits.is_cuda)
 
 
+def add_markov_bias(base_logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``U_k + B_k`` as DeepSpec computes it, as float32: the sum is taken in the draft's dtype
+    (for a bf16 draft it is rounded to bf16) and only then widened for the logits processors and
+    sampling. The drafts were trained with this arithmetic; adding in float32 instead changes the
+    argmax wherever rounding makes a near-tie (about a fifth of 7-token blocks at V = 151,936). In
+    float32 both orders are the same. (Mixed dtypes follow PyTorch's promotion.)"""
+    return (base_logits + bias).float()
+
+
 def inverse_cdf_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.LongTensor:
     """Draws from ``softmax(logits)`` (R, V) at ``uniforms`` (R,) in [0, 1): the smallest v with
     ``sum_{i <= v} p_i > u`` (computed in float64). The CUDA op samples by the same rule."""
@@ -149,7 +162,7 @@ def serial_sample(
     """
     if backend not in BACKENDS:
         raise ValueError(f"serial_sample backend must be one of {BACKENDS}, got {backend!r}.")
-    if base_logits is None and (admission is None or _may_use_cuda_op(backend, hidden_states)):
+    if base_logits is None and admission is None:
         base_logits = draft.base_logits(hidden_states)
     batch, gamma = hidden_states.shape[:2]
     markov, confidence = draft.markov_head, draft.confidence_head
@@ -164,21 +177,30 @@ def serial_sample(
         raise ValueError(f"serial_sample admission decides one request; got {batch} rows (use admit_batch).")
     num_positions = gamma if max_positions is None else max(0, min(gamma, max_positions))
     if _may_use_cuda_op(backend, hidden_states):
-        from .cuda_ops import dispatch
+        from .cuda_ops import dispatch, dispatch_admitted
 
-        result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
-                          logits_processor=logits_processor, generator=generator, uniforms=uniforms, backend=backend)
+        if admission is None:
+            result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
+                              logits_processor=logits_processor, generator=generator, uniforms=uniforms,
+                              backend=backend)
+        else:  # keeps the early stop and the lazy LM head (see dispatch_admitted)
+            result = dispatch_admitted(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
+                                       logits_processor=logits_processor, generator=generator, uniforms=uniforms,
+                                       backend=backend, admission=admission, num_positions=num_positions)
         if result is not None:
-            return result if admission is None else _admit_after(result, admission, num_positions)
+            return result
     if admission is not None:
         return _sample_admitted(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
                                 logits_processor=logits_processor, prefix_ids=prefix_ids, generator=generator,
                                 uniforms=uniforms, admission=admission, num_positions=num_positions)
 
     tokens = torch.empty(batch, gamma, dtype=torch.long, device=base_logits.device)
-    logits = base_logits.float()  # a fresh float32 copy when the backbone runs in half precision
-    if logits.data_ptr() == base_logits.data_ptr():
-        logits = logits.clone()
+    if markov is None:
+        logits = base_logits.float()  # a fresh float32 copy when the backbone runs in half precision
+        if logits.data_ptr() == base_logits.data_ptr():
+            logits = logits.clone()
+    else:  # filled position by position with U_k + B_k (see add_markov_bias)
+        logits = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
     if use_processors:
         sequence = torch.cat([prefix_ids.to(base_logits.device), tokens], dim=1)
         prefix_len = prefix_ids.shape[1]
@@ -188,7 +210,7 @@ def serial_sample(
     for k in range(gamma):
         if markov is not None:
             bias, state = markov.step(prev, hidden_states[:, k], state)
-            logits[:, k] += bias.float()
+            logits[:, k] = add_markov_bias(base_logits[:, k], bias)
         if use_processors:
             logits[:, k] = logits_processor(sequence[:, : prefix_len + k], logits[:, k])
         if do_sample and uniforms is not None:
@@ -219,17 +241,19 @@ def _confidence_temperatures(draft: DSparkDraftModel, device) -> torch.Tensor | 
     return None if temperatures is None else torch.tensor(temperatures, device=device, dtype=torch.float32)
 
 
-def _admit_after(result: SerialSample, admission: Callable[[float], bool], num_positions: int) -> SerialSample:
-    """Applies ``admission`` to a fully drawn block (the CUDA op path): same decision, same prefix."""
-    confidences = result.confidences[0].tolist() if result.confidences is not None else [1.0] * num_positions
-    keep = 0
-    for c in confidences[:num_positions]:
-        if not admission(c):
-            break
-        keep += 1
-    return SerialSample(tokens=result.tokens[:, :keep], logits=result.logits[:, :keep],
-                        confidences=result.confidences, uniforms=result.uniforms, num_admitted=keep,
-                        offered=confidences[: min(keep + 1, num_positions)])
+def position_confidence(draft: DSparkDraftModel, hidden_states: torch.Tensor, k: int, prev: torch.LongTensor,
+                        temperatures: torch.Tensor | None) -> float:
+    """``c_{k+1}`` of one request (draft position ``k``, 0-based) from its hidden state and the
+    previous token ``prev`` (1,), calibrated when ``temperatures`` are given; 1.0 without a
+    confidence head. It never reads the token drawn at position ``k``."""
+    confidence = draft.confidence_head
+    if confidence is None:
+        return 1.0
+    prev_features = draft.markov_head.markov_w1(prev)[:, None] if confidence.with_markov else None
+    conf_logit = confidence.logits(hidden_states[:, k : k + 1], prev_features).float()
+    if temperatures is not None:
+        conf_logit = conf_logit / temperatures[k]
+    return float(torch.sigmoid(conf_logit))
 
 
 def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample, logits_processor, prefix_ids,
@@ -246,14 +270,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
     state = markov.initial_state(1, hidden_states.device, hidden_states.dtype) if markov is not None else None
     tokens, logits, offered = [], [], []
     for k in range(num_positions):
-        if confidence is not None:
-            prev_features = markov.markov_w1(prev)[:, None] if confidence.with_markov else None
-            conf_logit = confidence.logits(hidden_states[:, k : k + 1], prev_features).float()
-            if temperatures is not None:
-                conf_logit = conf_logit / temperatures[k]
-            c = float(torch.sigmoid(conf_logit))
-        else:
-            c = 1.0
+        c = position_confidence(draft, hidden_states, k, prev, temperatures)
         offered.append(c)
         if not admission(c):
             break
@@ -261,10 +278,11 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
             start = time.perf_counter()
             base_logits, first = draft.base_logits(hidden_states[:, k:num_positions]), k
             lm_head_seconds = time.perf_counter() - start
-        row = base_logits[:, k - first].float()
+        row = base_logits[:, k - first]
         if markov is not None:
             bias, state = markov.step(prev, hidden_states[:, k], state)
-            row = row + bias.float()
+            row = add_markov_bias(row, bias)
+        row = row.float()
         if use_processors:
             row = logits_processor(sequence, row)
         if do_sample and uniforms is not None:
@@ -290,4 +308,5 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
     )
 
 
-__all__ = ["BACKENDS", "NON_FINITE_DRAFT_WARNING", "SerialSample", "inverse_cdf_sample", "serial_sample"]
+__all__ = ["BACKENDS", "NON_FINITE_DRAFT_WARNING", "SerialSample", "add_markov_bias", "inverse_cdf_sample",
+           "serial_sample"]

@@ -10,7 +10,10 @@ target model verifies this round:
   ``Theta = E[accepted tokens] * SPS(B)`` along a greedy admission path, with an early stop
   that keeps speculative decoding lossless.
 * :class:`FixedLengthPolicy`: always verify a fixed number of draft tokens (plain DFlash).
-* :class:`ThresholdPolicy`: the static threshold on prefix survival used by earlier work.
+* :class:`ThresholdPolicy`: the static threshold on prefix survival ``c_1 * ... * c_k`` used by
+  earlier work.
+* :class:`PerPositionThresholdPolicy`: DeepSpec's ``--confidence-threshold`` rule, a threshold on
+  each position's own confidence ``c_k`` (cut at the first position below it).
 
 ``SPS(B)`` is the target engine's steps per second when one forward pass processes ``B`` tokens.
 :func:`profile_sps` measures it for a transformers causal LM (the way a verify step really runs:
@@ -50,6 +53,7 @@ __all__ = [
     "PrefixScheduler",
     "FixedLengthPolicy",
     "ThresholdPolicy",
+    "PerPositionThresholdPolicy",
     "DraftingGate",
     "monotone_step_times",
     "profile_sps",
@@ -219,6 +223,41 @@ class ThresholdPolicy(VerifyPolicy):
             if trace is not None:
                 trace.append(survival)
             return survival >= self.threshold  # `>=` is False on NaN
+
+        return offer
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(threshold={self.threshold})"
+
+
+class PerPositionThresholdPolicy(VerifyPolicy):
+    """DeepSpec's ``--confidence-threshold`` rule: verifies draft positions up to the first one
+    whose own confidence is below ``threshold``, i.e. the longest prefix with ``c_j >= threshold``
+    for every ``j <= k``.
+
+    Unlike :class:`ThresholdPolicy`, which thresholds the running product ``c_1 * ... * c_k``
+    (the probability that the whole prefix survives), each position is judged on its own
+    confidence: ``[0.7] * 5`` at ``threshold=0.5`` verifies 5 tokens here and 1 there. Use this one
+    to reproduce DeepSpec's published threshold settings. Admitting position ``k`` depends on
+    ``c_1..c_k`` only, so it is non-anticipating (lossless).
+    """
+
+    requires_confidences = True
+
+    def __init__(self, threshold: float) -> None:
+        threshold = float(threshold)
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(
+                f"PerPositionThresholdPolicy threshold must be in [0, 1], got {threshold!r}; it is the "
+                "lowest confidence a draft position may have and still be verified (e.g. 0.5)."
+            )
+        self.threshold = threshold
+
+    def start_round(self, trace: list[float] | None = None) -> Callable[[float], bool]:
+        def offer(confidence: float) -> bool:
+            if trace is not None:
+                trace.append(confidence)
+            return confidence >= self.threshold  # `>=` is False on NaN
 
         return offer
 

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from torch.utils import cpp_extension
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf
-from dspark_hf import cuda_ops
+from dspark_hf import cuda_graphs, cuda_ops
 from dspark_hf.sampling import SerialSample, inverse_cdf_sample, serial_sample
 
 CSRC = Path(cuda_ops.__file__).parent / "csrc"
@@ -466,7 +467,10 @@ def emulated_op(heads, U, H, anchor, *, do_sample, temperature, uniforms, fused_
             if temps is not None:
                 c_logit = c_logit / torch.tensor(temps[k])
             confs[:, k] = torch.sigmoid(c_logit)
-        row_logits = (U[:, k].float() + bias) * inv_t
+        row_logits = U[:, k].float() + bias
+        if mutation != "fp32_add":  # DeepSpec's order: the sum is rounded to the dtype, then widened
+            row_logits = row_logits.to(dtype).float()
+        row_logits = row_logits * inv_t
         logits[:, k] = row_logits
         if do_sample and mutation != "argmax_instead_of_sampling":
             tokens[:, k] = tiled_inverse_cdf(row_logits, uniforms[:, k])
@@ -510,7 +514,246 @@ def test_gpu_checks_catch_broken_kernels(mutation):
         gpu.run_case(case, "cpu", run_op=broken)
 
 
+def test_gpu_checks_catch_a_float32_add_in_bf16():
+    """The kernels must add U + bias in the dtype (DeepSpec's order); an fp32 add stays within the
+    logit tolerance, so the check that catches it is that bf16 logits are bf16 values."""
+    case = gpu.Case("mutant-bf16", 600, 32, "vanilla", "markov", torch.bfloat16, 3, 5, False, hidden=32)
+    gpu.run_case(case, "cpu", run_op=emulated_op)
+
+    def broken(*args, **kwargs):
+        return emulated_op(*args, mutation="fp32_add", **kwargs)
+
+    with pytest.raises(AssertionError, match="rounded to the draft's dtype"):
+        gpu.run_case(case, "cpu", run_op=broken)
+
+
 def test_distribution_check_on_the_emulated_kernels():
     summary = gpu.check_distribution("cpu", run_op=emulated_op, calls=40)
     assert summary["samples"] == 40 * 64
 
+
+
+# ----------------------------------------------------------------------------- op path with admission
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """Pretends CPU tensors are CUDA tensors and the op is built; the op is the PyTorch emulation
+    of the kernels. Records the shape of U for every op call."""
+    calls = []
+
+    def op(draft, U, H, anchor, *, do_sample, temperature=1.0, uniforms=None, generator=None, fused_max_rows=None):
+        calls.append(tuple(U.shape))
+        if do_sample and uniforms is None:
+            uniforms = torch.rand(U.shape[:2], generator=generator)
+        return emulated_op(draft, U, H, anchor.reshape(-1), do_sample=do_sample, temperature=temperature,
+                           uniforms=uniforms, fused_max_rows=4)
+
+    monkeypatch.setattr(dspark_hf.sampling, "_may_use_cuda_op", lambda backend, t: backend != "reference")
+    monkeypatch.setattr(cuda_ops, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)
+    monkeypatch.setattr(cuda_ops, "serial_sample_cuda", op)
+    monkeypatch.delenv("DSPARK_HF_CUDA_OP", raising=False)
+    return calls
+
+
+def _lazy_case(seed=0, gamma=7, calibrated=False):
+    case = _small_case(vocab=512, rank=16, rows=1, gamma=gamma, hidden=32, seed=seed, calibrated=calibrated,
+                       sample=True)
+    heads = gpu.make_heads(case, "cpu")
+    _, H, anchor, uniforms = gpu.make_inputs(case, "cpu")
+    return gpu.LazyHeads(heads, case.vocab, case.hidden, case.dtype).eval(), H, anchor, uniforms
+
+
+class CountingPolicy:
+    """Wraps a policy's offers, counting them (a policy must never be offered c_1 twice)."""
+
+    def __init__(self, policy):
+        self.policy, self.offers = policy, []
+
+    def start_round(self):
+        offer = self.policy.start_round()
+
+        def counted(c):
+            self.offers.append(c)
+            return offer(c)
+
+        return counted
+
+
+def test_op_path_refusing_c1_runs_neither_the_lm_head_nor_the_op(emulated_cuda):
+    draft, H, anchor, uniforms = _lazy_case()
+    offers = []
+
+    def refuse(c):
+        offers.append(c)
+        return False
+
+    with torch.no_grad():
+        out = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms, admission=refuse)
+        ref = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms, admission=lambda c: False,
+                            backend="reference")
+    assert out.num_admitted == 0 and out.tokens.shape == (1, 0) and out.logits.shape == (1, 0, 512)
+    assert emulated_cuda == [] and draft.lm_head_calls == []  # the whole economy of a zero round
+    assert len(offers) == 1
+    torch.testing.assert_close(out.confidences, ref.confidences)
+
+
+POLICIES = {
+    "scheduler": lambda: dspark_hf.PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78, 0.76, 0.75, 0.74]),
+    "threshold": lambda: dspark_hf.ThresholdPolicy(0.2),
+    "per-position": lambda: dspark_hf.PerPositionThresholdPolicy(0.45),
+    "fixed": lambda: dspark_hf.FixedLengthPolicy(3),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_op_path_keeps_admission_and_the_lazy_lm_head(emulated_cuda, name):
+    """Same admitted block as the reference admission loop fed the same uniforms; the LM head runs
+    once, on the budget's positions, only in rounds that admit c_1; each c_k is offered once."""
+    admitted, zero_rounds = set(), 0
+    for seed in range(10):
+        draft, H, anchor, uniforms = _lazy_case(seed=seed, calibrated=seed % 2 == 1)
+        budget = 5 if seed % 3 == 0 else 7
+        op_policy, ref_policy = CountingPolicy(POLICIES[name]()), CountingPolicy(POLICIES[name]())
+        calls_before = len(emulated_cuda)
+        with torch.no_grad():
+            out = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms,
+                                admission=op_policy.start_round(), max_positions=budget)
+            head_calls = list(draft.lm_head_calls)
+            ref = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms,
+                                admission=ref_policy.start_round(), max_positions=budget, backend="reference")
+        assert out.num_admitted == ref.num_admitted
+        assert out.tokens.tolist() == ref.tokens.tolist()
+        torch.testing.assert_close(out.logits, ref.logits)
+        torch.testing.assert_close(torch.tensor(op_policy.offers), torch.tensor(ref_policy.offers))
+        torch.testing.assert_close(out.confidences, ref.confidences)
+        if out.num_admitted == 0:
+            zero_rounds += 1
+            assert head_calls == [] and len(emulated_cuda) == calls_before
+        else:
+            assert head_calls == [budget] and emulated_cuda[calls_before:] == [(1, budget, 512)]
+        admitted.add(out.num_admitted)
+    if name == "fixed":
+        assert admitted == {3}
+    else:
+        assert len(admitted) >= 3 and zero_rounds > 0, f"the cases should admit several lengths, got {admitted}"
+
+
+def test_generation_through_the_op_path_is_lossless_and_lazy(emulated_cuda, monkeypatch):
+    """target.generate(assistant_model=draft) with the (emulated) op: greedy output identical to the
+    target alone; rounds that verify nothing never ran the LM head or the op."""
+    from dspark_hf import DSparkDraftModel, PrefixScheduler
+    from tiny_models import random_target
+
+    target = random_target(vocab_size=64, context_scale=0.3)
+    draft = DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
+    head_calls = []
+    original = draft.base_logits
+    monkeypatch.setattr(draft, "base_logits", lambda h: head_calls.append(h.shape[1]) or original(h))
+    draft.verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.4])  # admits x_1 only when c_1 > 2/3
+    draft.adaptive_drafting = False
+    prompt = torch.tensor([[3, 7, 11, 2, 9]])
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert out.tolist() == expected.tolist()
+    rounds = [r for r in draft.generation_stats.rounds if r.drafted]
+    verifying = sum(1 for r in rounds if r.verified > 0)
+    assert verifying > 0 and len(emulated_cuda) == verifying and len(head_calls) == verifying
+    assert any(r.verified == 0 for r in rounds), "the scheduler should refuse some rounds outright"
+
+
+# ----------------------------------------------------------------------------- CUDA-graph replay (plumbing)
+def _raw_emulation(heads):
+    """The operator's raw signature over the kernels' emulation of ``heads``."""
+
+    def run(U, H, anchor, w1, w2, gate_w, gate_b, conf_w, conf_b, conf_temp, uniforms, temperature, fused):
+        out = emulated_op(heads, U, H, anchor, do_sample=uniforms is not None, temperature=temperature,
+                          uniforms=uniforms, fused_max_rows=fused)
+        return out.tokens, out.logits, out.confidences if out.confidences is not None else torch.empty(0)
+
+    return run
+
+
+class ReplayingGraph:
+    """A CPU model of a captured CUDA graph: replay reruns the captured work on the static input
+    buffers and writes the results into the same output tensors."""
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs, self.replays = fn, inputs, 0
+        self.outputs = tuple(t.clone() for t in fn(*inputs))
+
+    def replay(self):
+        self.replays += 1
+        for out, new in zip(self.outputs, self.fn(*self.inputs)):
+            out.copy_(new)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    captures = []
+
+    def capture(fn, inputs):
+        graph = ReplayingGraph(fn, inputs)
+        captures.append(graph)
+        return graph, graph.outputs
+
+    monkeypatch.setattr(cuda_graphs.StaticGraph, "_capture", staticmethod(capture))
+    monkeypatch.setattr(cuda_ops, "can_capture", lambda device: True)
+    monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)
+    monkeypatch.setattr(cuda_ops, "_GRAPHS", cuda_graphs.GraphCache(max_graphs=2))
+    monkeypatch.delenv(cuda_graphs.ENV_SWITCH, raising=False)
+    return captures
+
+
+@torch.no_grad()
+def test_graphed_op_gives_the_eager_results_and_captures_once_per_shape(fake_graphs, monkeypatch):
+    case = gpu.Case("graph", 600, 32, "gated", "markov", torch.bfloat16, 1, 7, True, 0.7, hidden=32, calibrated=True)
+    heads = gpu.make_heads(case, "cpu")
+    monkeypatch.setattr(cuda_ops, "_run_op", _raw_emulation(heads))
+    results = []
+    for seed in range(3):
+        U, H, anchor, _ = gpu.make_inputs(replace(case, seed=seed), "cpu")
+        kwargs = dict(do_sample=True, temperature=0.7)
+        eager = cuda_ops.serial_sample_cuda(heads, U, H, anchor, generator=torch.Generator().manual_seed(seed),
+                                            graph=False, **kwargs)
+        graphed = cuda_ops.serial_sample_cuda(heads, U, H, anchor, generator=torch.Generator().manual_seed(seed),
+                                              graph=True, **kwargs)
+        assert torch.equal(graphed.uniforms, torch.rand(1, 7, generator=torch.Generator().manual_seed(seed)))
+        assert torch.equal(eager.uniforms, graphed.uniforms)
+        for name in ("tokens", "logits", "confidences"):
+            assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
+        results.append((graphed, eager))
+    # one capture for the shape, replayed for every call; earlier results are not overwritten
+    assert len(fake_graphs) == 1 and fake_graphs[0].replays == 3
+    for graphed, eager in results:
+        assert torch.equal(graphed.logits, eager.logits) and torch.equal(graphed.tokens, eager.tokens)
+    # given uniforms and greedy calls are other keys; the cache keeps the two most recent
+    U, H, anchor, uniforms = gpu.make_inputs(case, "cpu")
+    given = cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=True, temperature=0.7, uniforms=uniforms,
+                                        graph=True)
+    assert torch.equal(given.uniforms, uniforms) and len(fake_graphs) == 1  # same key: replayed
+    greedy = cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False, graph=True)
+    assert greedy.uniforms is None and torch.equal(greedy.tokens, greedy.logits.argmax(-1))
+    assert len(fake_graphs) == 2 and len(cuda_ops._GRAPHS) == 2
+    cuda_ops.serial_sample_cuda(heads, U[:, :4].contiguous(), H[:, :4].contiguous(), anchor, do_sample=False,
+                                graph=True)
+    assert len(fake_graphs) == 3 and len(cuda_ops._GRAPHS) == 2
+
+
+@torch.no_grad()
+def test_graphs_follow_the_environment_switch(fake_graphs, monkeypatch):
+    case = gpu.Case("graph-env", 300, 16, "vanilla", "plain", torch.float32, 1, 3, False, hidden=32)
+    heads = gpu.make_heads(case, "cpu")
+    monkeypatch.setattr(cuda_ops, "_run_op", _raw_emulation(heads))
+    U, H, anchor, _ = gpu.make_inputs(case, "cpu")
+    cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False)
+    assert fake_graphs == []  # off by default
+    monkeypatch.setenv(cuda_graphs.ENV_SWITCH, "1")
+    cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False)
+    assert len(fake_graphs) == 1 and fake_graphs[0].replays == 1
+    monkeypatch.setattr(cuda_ops, "can_capture", lambda device: False)  # e.g. inside an outer capture
+    cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False)
+    assert fake_graphs[0].replays == 1 and len(fake_graphs) == 1

@@ -7,7 +7,7 @@
 //   prepare(0)                                  feature_0 = W1[x_0] (gated: * gate), c_1
 //   for k in 0 .. gamma-1:
 //     [cuBLAS] bias = feature_k @ W2^T          only on the "cuBLAS bias" path (see below)
-//     logits(k)                                 l = (U_k + B_k) / T, written out; per-tile max,
+//     logits(k)                                 l = round(U_k + B_k) / T, written out; per-tile max,
 //                                               argmax and sum of exp over 256-entry tiles
 //     select(k) + prepare(k+1)                  token x_{k+1} from the tile partials (argmax, or
 //                                               inverse CDF at a given uniform), then the next
@@ -17,8 +17,9 @@
 //   * fused: the logits kernel reads W2 itself, 16 bytes per lane, and keeps the bias in shared
 //     memory (one pass over W2 per position, no intermediate), for at most kFusedMaxRows rows;
 //   * cuBLAS: for larger batches a tensor-core GEMM writes the bias, the logits kernel adds it.
-// Both round the bias to the weights' dtype before the fp32 add, as the PyTorch reference
-// (nn.Linear in that dtype, then .float()) does, so greedy tokens agree with it.
+// Both round the bias to the weights' dtype (nn.Linear in that dtype), add it to U_k and round the
+// sum to the dtype too before widening it to fp32, as DeepSpec and the PyTorch reference do
+// (U_k + B_k in the draft's dtype, then .float()), so greedy tokens agree with them.
 
 #pragma once
 

@@ -4,8 +4,9 @@
 //   * every dot product accumulates in fp32;
 //   * results that the reference produces in the weights' dtype (nn.Linear outputs, sigmoid and
 //     products of bf16/fp16 tensors) are rounded to that dtype (round-to-nearest-even) here too;
-//   * logits are (float(U) + float(bias)) * (1.0f / float(T)): PyTorch's CUDA division by a Python
-//     scalar multiplies by the fp32 reciprocal;
+//   * logits are round(float(U) + float(bias)) * (1.0f / float(T)): U + bias is added in the dtype,
+//     as DeepSpec does (dspark_hf.sampling.add_markov_bias; a bf16 sum is rounded to bf16), then
+//     widened; PyTorch's CUDA division by a Python scalar multiplies by the fp32 reciprocal;
 //   * greedy picks the smallest index among equal maxima, as torch.argmax does;
 //   * sampling is the inverse CDF: the smallest v with sum_{i <= v} p_i > u * sum_i p_i, for the
 //     caller's uniform u in [0, 1) (dspark_hf.sampling.inverse_cdf_sample is the same rule in fp64).
@@ -187,7 +188,7 @@ __device__ void fused_bias_tile(const SerialSampleParams& p, int v0, int row0, i
 }
 
 // Logits of position `pos` for one 256-entry vocabulary tile and `rows_per_block` rows:
-// l = (U + bias) * inv_temperature is written to p.logits, and the tile's max / argmax (and, when
+// l = round(U + bias) * inv_temperature is written to p.logits, and the tile's max / argmax (and, when
 // sampling, sum of exp(l - max)) go to the tile partials that select_* reduce.
 template <typename T, bool kFusedBias>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       } else if (bias != nullptr) {
         b = Num<T>::to_float(bias[static_cast<int64_t>(row) * p.vocab + v]);
       }
-      logit = (Num<T>::to_float(base_logits[offset + v]) + b) * p.inv_temperature;
+      logit = Num<T>::round(Num<T>::to_float(base_logits[offset + v]) + b) * p.inv_temperature;
       p.logits[offset + v] = logit;
     }
     const MaxArg best = BlockReduceMaxArg(temp.max_arg).Reduce(MaxArg{logit, valid ? v : INT_MAX}, MaxArgOp());

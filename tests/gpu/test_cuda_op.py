@@ -17,7 +17,9 @@ not; fused W2 pass and cuBLAS bias path):
    boundary, bounded by the logits' measured difference at that position).
 
 Further tests: the sampled distribution (chi-square, with a power check), reproducibility from a
-torch generator, CUDA-graph capture, torch.compile, and the dispatch (auto / forced / fallbacks).
+torch generator, CUDA-graph capture, the op's own graphed replay (``graph=True``), torch.compile,
+the dispatch (auto / forced / fallbacks), the op path with a verify policy's admission (early stop
+and lazy LM head kept), and speed against the loop at 1 and 64 rows.
 
 The check functions take a device and an optional op runner, so tests/test_cuda_op_cpu.py runs them
 on CPU against an emulation of the kernels' algorithm (that is how this module was checked before a
@@ -59,6 +61,24 @@ class Heads(torch.nn.Module):
         self.config = config
         self.markov_head = MarkovHead(config) if config.markov_rank > 0 else None
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+
+
+class LazyHeads(torch.nn.Module):
+    """Test heads plus an LM head whose calls are recorded (how many positions each call covered)."""
+
+    def __init__(self, heads, vocab: int, hidden: int, dtype):
+        super().__init__()
+        self.config, self.markov_head, self.confidence_head = heads.config, heads.markov_head, heads.confidence_head
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
+        torch.nn.init.normal_(self.lm_head.weight, std=hidden ** -0.5 * 3)
+        self.lm_head_calls: list[int] = []
+
+    def _lm_head(self):
+        return self.lm_head
+
+    def base_logits(self, hidden_states):
+        self.lm_head_calls.append(hidden_states.shape[1])
+        return self.lm_head(hidden_states)
 
 
 @dataclass(frozen=True)
@@ -165,7 +185,7 @@ def rollout(heads, U, H, anchor, tokens, temperature):
         feature = markov.markov_w1(prev)
         if markov.head_type == "gated":
             feature = torch.sigmoid(markov.gate_proj(torch.cat([H, feature], dim=-1))) * feature
-        logits = logits + markov.markov_w2(feature).float()
+        logits = (U + markov.markov_w2(feature)).float()  # added in the dtype, as DeepSpec does
     if temperature != 1.0:
         logits = logits / temperature
     confidences = None
@@ -252,7 +272,13 @@ def run_case(case: Case, device, run_op=run_cuda_op) -> dict:
     assert op.logits.shape == (*shape, case.vocab) and op.logits.dtype == torch.float32
     assert bool(((op.tokens >= 0) & (op.tokens < case.vocab)).all())
 
-    # 1. Returned logits and confidences against the equations along the op's own path.
+    # 1. Returned logits and confidences against the equations along the op's own path. In 16-bit
+    # dtypes U_k + B_k is rounded to the dtype before widening (DeepSpec's arithmetic): at
+    # temperature 1 every returned logit is a value of that dtype (an fp32 add would break this
+    # almost everywhere, while staying within the tolerance below).
+    if case.dtype != F32 and case.rank > 0 and case.temperature == 1.0:
+        assert torch.equal(op.logits, op.logits.to(case.dtype).float()), (
+            "returned logits are not rounded to the draft's dtype: U + bias was added in float32")
     torch.testing.assert_close(op.logits, expected_logits, **LOGIT_TOL[case.dtype])
     mean_abs = (op.logits - expected_logits).abs().mean().item()
     assert mean_abs <= LOGIT_MEAN_ABS[case.dtype], f"mean |logit difference| {mean_abs:.3g}"
@@ -294,11 +320,14 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: 
     return torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2.0, dtype=torch.float64), chi2 / 2).item()
 
 
-def check_distribution(device, run_op=run_cuda_op, calls: int = 200, rows: int = 64) -> dict:
+def check_distribution(device, run_op=run_cuda_op, calls: int = 200, rows: int = 64, case: Case | None = None) -> dict:
     """Identical rows sampled many times (uniforms from torch.rand): position 1 follows
     softmax(returned logits) (and not the logits without the temperature: power check); position 2,
-    given the most frequent first token, follows its returned logits."""
-    case = Case("distribution", 300, 16, "vanilla", "markov", F32, rows, 2, True, 0.7, seed=5)
+    given the most frequent first token, follows its returned logits. ``case`` (default: V = 300,
+    fp32, T = 0.7) sets the problem; its rows, gamma and sampling are set here."""
+    if case is None:
+        case = Case("distribution", 300, 16, "vanilla", "markov", F32, rows, 2, True, 0.7, seed=5)
+    case = replace(case, rows=rows, gamma=2, sample=True)
     heads = make_heads(case, device)
     U, H, anchor, _ = make_inputs(replace(case, rows=1), device)
     U, H, anchor = U.expand(rows, -1, -1).contiguous(), H.expand(rows, -1, -1).contiguous(), anchor.expand(rows)
@@ -466,9 +495,12 @@ def test_dispatch_on_gpu(built, monkeypatch):
         serial_sample(heads, U, H, anchor, do_sample=False, backend="cuda")  # grad mode, params require grad
 
 
-def test_large_batch_many_positions_runs_fast_enough(built):
-    """Not a benchmark: the op at batch 64, gamma 16, vocab 151936 finishes and is faster than the loop."""
-    case = Case("speed", 151936, 256, "vanilla", "markov", BF16, 64, 16, False)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_op_is_faster_than_the_loop(built, rows):
+    """Not a benchmark: the op at gamma 16, vocab 151936 finishes and is faster than the loop, at one
+    row (the fused W2 pass, what generate() uses; also replayed as a CUDA graph) and at 64 rows
+    (the cuBLAS bias path)."""
+    case = Case("speed", 151936, 256, "vanilla", "markov", BF16, rows, 16, False)
     heads = make_heads(case, "cuda")
     U, H, anchor, _ = make_inputs(case, "cuda")
 
@@ -486,4 +518,58 @@ def test_large_batch_many_positions_runs_fast_enough(built):
     with torch.no_grad():
         op_ms = timed(lambda: serial_sample(heads, U, H, anchor, do_sample=False, backend="cuda"))
         ref_ms = timed(lambda: serial_sample(heads, U, H, anchor, do_sample=False, backend="reference"))
-    assert math.isfinite(op_ms) and op_ms < ref_ms, f"op {op_ms:.3f} ms vs reference {ref_ms:.3f} ms"
+        assert math.isfinite(op_ms) and op_ms < ref_ms, f"op {op_ms:.3f} ms vs reference {ref_ms:.3f} ms"
+        if rows == 1:
+            graph_ms = timed(lambda: cuda_ops.serial_sample_cuda(heads, U, H, anchor, do_sample=False, graph=True))
+            assert math.isfinite(graph_ms) and graph_ms < ref_ms, f"graphed op {graph_ms:.3f} ms vs {ref_ms:.3f} ms"
+
+
+@pytest.mark.parametrize("gamma,do_sample", [(7, True), (16, False)])
+def test_graphed_op_matches_the_eager_op(built, gamma, do_sample):
+    """serial_sample_cuda(graph=True) replays the same kernels: bit-identical results, also for new
+    inputs in later calls and with uniforms drawn from a generator."""
+    case = Case("graphed", 151936, 256, "gated", "markov", BF16, 1, gamma, do_sample, 0.7)
+    heads = make_heads(case, "cuda")
+    cuda_ops._GRAPHS.clear()
+    with torch.no_grad():
+        for seed in range(3):
+            U, H, anchor, _ = make_inputs(replace(case, seed=seed), "cuda")
+            kwargs = dict(do_sample=do_sample, temperature=case.temperature)
+            eager = cuda_ops.serial_sample_cuda(heads, U, H, anchor, graph=False,
+                                                generator=torch.Generator("cuda").manual_seed(seed), **kwargs)
+            graphed = cuda_ops.serial_sample_cuda(heads, U, H, anchor, graph=True,
+                                                  generator=torch.Generator("cuda").manual_seed(seed), **kwargs)
+            torch.cuda.synchronize()
+            assert torch.equal(eager.tokens, graphed.tokens) and torch.equal(eager.logits, graphed.logits)
+            assert torch.equal(eager.confidences, graphed.confidences)
+            if do_sample:
+                assert torch.equal(eager.uniforms, graphed.uniforms)
+    assert len(cuda_ops._GRAPHS) == 1
+
+
+def test_admission_on_the_op_path(built):
+    """The op path with a policy's incremental admission gives the reference admission loop's block
+    (same uniforms), runs the LM head only in rounds that admit c_1, and only on the budget."""
+    from dspark_hf import PrefixScheduler
+
+    admitted = set()
+    for seed in range(6):
+        case = Case("admission", 151936, 256, "vanilla", "markov", BF16, 1, 7, True, seed=seed, hidden=256)
+        draft = LazyHeads(make_heads(case, "cuda"), case.vocab, case.hidden, case.dtype).cuda().eval()
+        _, H, anchor, uniforms = make_inputs(case, "cuda")
+        policy = PrefixScheduler([1.0, 0.7, 0.6, 0.55, 0.5, 0.45, 0.42, 0.4])
+        with torch.no_grad():
+            op = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms,
+                               admission=policy.start_round(), max_positions=5, backend="cuda")
+            head_calls = list(draft.lm_head_calls)
+            ref = serial_sample(draft, None, H, anchor, do_sample=True, uniforms=uniforms,
+                                admission=policy.start_round(), max_positions=5, backend="reference")
+        keep = min(op.num_admitted, ref.num_admitted)
+        if not torch.equal(op.tokens[:, :keep], ref.tokens[:, :keep]):  # only float rounding may explain it
+            explain_divergences(SerialSample(op.tokens[:, :keep], op.logits[:, :keep], None),
+                                SerialSample(ref.tokens[:, :keep], ref.logits[:, :keep], None), uniforms, True)
+        else:  # same tokens: same confidences up to rounding, so the same decisions
+            assert op.num_admitted == ref.num_admitted
+        assert head_calls == ([5] if op.num_admitted > 0 else [])
+        admitted.add(op.num_admitted)
+    assert len(admitted) >= 2, admitted
