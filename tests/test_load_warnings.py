@@ -53,5 +53,5 @@ def test_an_unrecognised_foreign_config_still_warns(tmp_path, config_warnings):
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     plain.architectures = ["Qwen3ForCausalLM"]  # a target checkpoint, not a draft
     plain.save_pretrained(tmp_path)
-    DSparkConfig.from_pretrained(tmp_path)
+    DSparkConfig.from_pretrained(tmp_path, block_size=7)  # a target config has no block_size
     assert [m for m in config_warnings if MESSAGE in m and "`qwen3`" in m]
