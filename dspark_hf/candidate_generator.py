@@ -97,16 +97,20 @@ class DSparkGenerationStats:
         """Accepted / verified draft tokens."""
         return self.accepted_tokens / max(self.verified_tokens, 1)
 
+    def _histogram_size(self) -> int:
+        # Lookup proposals may be longer than the draft's block.
+        return max([self.block_size] + [r.verified for r in self.rounds]) + 1
+
     def scheduled_length_histogram(self) -> list[int]:
-        """``hist[k]`` = number of rounds that verified k draft tokens."""
-        hist = [0] * (self.block_size + 1)
+        """``hist[k]`` = number of rounds that verified k draft tokens (either source)."""
+        hist = [0] * self._histogram_size()
         for r in self.rounds:
             hist[r.verified] += 1
         return hist
 
     def accepted_length_histogram(self) -> list[int]:
-        """``hist[k]`` = number of rounds that accepted k draft tokens."""
-        hist = [0] * (self.block_size + 1)
+        """``hist[k]`` = number of rounds that accepted k draft tokens (either source)."""
+        hist = [0] * self._histogram_size()
         for r in self.rounds:
             hist[r.accepted] += 1
         return hist

@@ -147,3 +147,13 @@ def test_a_choice_that_peeks_at_draft_tokens_is_detected(monkeypatch):
     monkeypatch.setattr(candidate_generator, "DSparkCandidateGenerator", PeekingGenerator)
     p_value, _ = _chi_square_p_value(PrefixScheduler(SPS), prompt=LOOKUP_PROMPT, prompt_lookup_num_tokens=0)
     assert p_value < 1e-5, f"the test failed to detect a source choice that peeks at draft tokens (p={p_value:.2e})"
+
+
+def test_statistics_count_lookup_rounds_longer_than_the_block():
+    from dspark_hf.candidate_generator import DSparkGenerationStats, RoundStats
+
+    stats = DSparkGenerationStats(block_size=3)
+    stats.rounds.append(RoundStats(2, 1, 0.0, 0.0, 0.0, 0.0))
+    stats.rounds.append(RoundStats(10, 7, 0.0, 0.0, 0.0, 0.0, drafted=False, source="lookup"))
+    assert stats.scheduled_length_histogram() == [0, 0, 1] + [0] * 7 + [1]
+    assert stats.accepted_length_histogram()[7] == 1 and sum(stats.accepted_length_histogram()) == 2
