@@ -2,9 +2,12 @@
 
 Decoding is memory-bound: a forward of 1 to 16 new tokens reads the same weights, so it should
 cost about the same. With torch's default CPU path it does not. ``F.linear`` goes to MKL's sgemm,
-which re-packs the weight matrix on every call for small batches (and, on AMD processors, runs its
-one-row GEMV at half the speed oneDNN reaches). A verify forward of 2+ tokens then costs 1.5-1.9x a
-one-token step, which makes almost every drafted token too expensive to verify.
+which re-packs the weight matrix on every call for small batches. A verify forward of several
+tokens then costs 1.5-1.9x a one-token step, which makes most drafted tokens too expensive to
+verify. Where MKL is fast depends on the processor: on one AMD machine its one-row GEMV ran at half
+oneDNN's speed; on an Intel Xeon (AVX-512) its GEMV for 1-3 rows beat oneDNN and only 4+ rows fell
+off the cliff (benchmarks/verify_cost.py). So each packed layer keeps both paths and picks by the
+number of input rows, from a crossover measured once per weight shape on this machine.
 
 :func:`optimize_for_cpu` reorders each fp32 ``nn.Linear`` weight once into oneDNN's blocked layout
 and runs the layer with oneDNN's linear kernel, the same pair of ops inductor's CPU freezing pass
@@ -41,6 +44,10 @@ logger = logging.get_logger(__name__)
 # 2 rows at the cost of 1 and 8 rows at ~1.5x (benchmarks/verify_cost.py).
 _BATCH_SIZE_HINT = 16
 _PACKED_ATTRIBUTE = "_dspark_packed_weight"
+_MIN_ROWS_ATTRIBUTE = "_dspark_packed_min_rows"
+_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+# (out_features, in_features, threads) -> fewest input rows for which the packed kernel is faster.
+_measured_min_rows: dict[tuple[int, int, int], int] = {}
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -73,6 +80,46 @@ def fast_path_unavailable_reason() -> str | None:
     return None
 
 
+def _best_seconds(fn, calls: int) -> float:
+    best = float("inf")
+    for _ in range(3):  # the minimum of three batches shrugs off a busy moment
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure_packed_min_rows(weight: torch.Tensor) -> int:
+    """Fewest input rows for which the packed kernel beats ``F.linear`` on this weight's shape.
+
+    Measured once per shape and thread count in a process (about 0.1-1 s for a model), on random
+    weights of the same shape. Above the largest probed size (16 rows) the packed kernel is used.
+    """
+    key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
+    if key not in _measured_min_rows:
+        generator = torch.Generator().manual_seed(0)
+        probe = torch.randn(weight.shape, generator=generator)
+        packed = _pack(probe)
+        calls = max(2, min(50, int(2e6 // probe.numel())))
+        packed_wins = []
+        with torch.no_grad():
+            for rows in _PROBE_ROWS:
+                x = torch.randn(1, rows, probe.shape[1], generator=generator)
+                _packed_linear(x, packed, None), F.linear(x, probe)  # warm both kernels
+                stock = _best_seconds(lambda: F.linear(x, probe), calls)
+                fast = _best_seconds(lambda: _packed_linear(x, packed, None), calls)
+                packed_wins.append(fast <= stock)
+        # The smallest size from which packed wins at every larger probed size.
+        min_rows = _PROBE_ROWS[-1] + 1
+        for rows, wins in reversed(list(zip(_PROBE_ROWS, packed_wins))):
+            if not wins:
+                break
+            min_rows = rows
+        _measured_min_rows[key] = min_rows
+    return _measured_min_rows[key]
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose no-grad forward uses a oneDNN-packed copy of its weight.
 
@@ -98,7 +145,7 @@ class PackedLinear(nn.Linear):
             and input.device.type == "cpu"
             and not (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
         )
-        if not usable:
+        if not usable or input.numel() < getattr(self, _MIN_ROWS_ATTRIBUTE, 1) * input.shape[-1]:
             return F.linear(input, weight, self.bias)
         return _packed_linear(input, self._packed_weight(), self.bias)
 
@@ -116,7 +163,7 @@ def _skip_reason(module: nn.Linear) -> str | None:
     return None
 
 
-def optimize_for_cpu(model: nn.Module) -> nn.Module:
+def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) -> nn.Module:
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
     Every float32 ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
@@ -131,7 +178,17 @@ def optimize_for_cpu(model: nn.Module) -> nn.Module:
     weights offloaded by accelerate, ``nn.Linear`` subclasses (e.g. quantised layers). When this
     torch build lacks the oneDNN ops (or they fail a numerical probe), the model is left unchanged
     and the reason is logged.
+
+    Args:
+        model: the model to prepare.
+        packed_min_rows: inputs with fewer rows (tokens x batch) than this keep ``F.linear``; the
+            rest use the packed weight. ``None`` (default) measures the crossover once per weight
+            shape on this machine (:func:`measure_packed_min_rows`); ``1`` always uses the packed
+            weight.
     """
+    if packed_min_rows is not None and (isinstance(packed_min_rows, bool) or not isinstance(packed_min_rows, int)
+                                        or packed_min_rows < 1):
+        raise ValueError(f"packed_min_rows must be an integer >= 1 or None (measure it), got {packed_min_rows!r}.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize_for_cpu expects a torch.nn.Module, got {type(model).__name__}.")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -145,7 +202,7 @@ def optimize_for_cpu(model: nn.Module) -> nn.Module:
         return model
 
     start = time.perf_counter()
-    packed_bytes, skipped = 0, {}
+    packed_bytes, skipped, crossovers = 0, {}, {}
     with torch.no_grad():
         for name, module in to_pack:
             reason = _skip_reason(module)
@@ -155,6 +212,9 @@ def optimize_for_cpu(model: nn.Module) -> nn.Module:
             module.__class__ = PackedLinear
             if hasattr(module, "_old_forward"):  # accelerate's hook calls the forward it saved
                 module._old_forward = types.MethodType(PackedLinear.forward, module)
+            min_rows = packed_min_rows or measure_packed_min_rows(module.weight)
+            object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, min_rows)
+            crossovers[tuple(module.weight.shape)] = min_rows
             module._packed_weight()
             packed_bytes += module.weight.numel() * module.weight.element_size()
     num_packed = len(to_pack) - sum(len(names) for names in skipped.values())
@@ -162,6 +222,9 @@ def optimize_for_cpu(model: nn.Module) -> nn.Module:
         "optimize_for_cpu: packed %d linear layers (%.0f MB of extra memory) in %.2f s.",
         num_packed, packed_bytes / 2**20, time.perf_counter() - start,
     )
+    if crossovers:
+        logger.info("optimize_for_cpu: packed kernel from this many input rows, per weight shape: %s.",
+                    ", ".join(f"{o}x{i}: {r}" for (o, i), r in sorted(crossovers.items())))
     for reason, names in skipped.items():
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
     return model
@@ -172,4 +235,5 @@ def is_optimized_for_cpu(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-__all__ = ["PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "optimize_for_cpu"]
+__all__ = ["PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "measure_packed_min_rows",
+           "optimize_for_cpu"]

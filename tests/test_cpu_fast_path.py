@@ -29,7 +29,7 @@ def _count_packed(model):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_logits_and_greedy_generation_equal_the_stock_model(arch):
     stock = random_target(arch, num_layers=3)
-    fast = optimize_for_cpu(copy.deepcopy(stock))
+    fast = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
     assert _count_packed(fast) == sum(isinstance(m, torch.nn.Linear) for m in stock.modules()) > 0
     ids = torch.randint(0, 48, (2, 23))
     with torch.no_grad():
@@ -42,10 +42,10 @@ def test_logits_and_greedy_generation_equal_the_stock_model(arch):
 
 def test_dspark_with_prepared_target_and_draft_is_identical_to_the_stock_target():
     stock = random_target("llama")
-    target = optimize_for_cpu(copy.deepcopy(stock))
+    target = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
     draft = markov_draft(target, target_next_token_table(target), block_size=4)
     draft.verify_policy = FixedLengthPolicy(4)
-    optimize_for_cpu(draft)
+    optimize_for_cpu(draft, packed_min_rows=1)
     assert is_optimized_for_cpu(draft)
     for prompt in _prompts(4, seed=2):
         expected = stock.generate(prompt, max_new_tokens=30, do_sample=False)
@@ -55,9 +55,9 @@ def test_dspark_with_prepared_target_and_draft_is_identical_to_the_stock_target(
 
 
 def test_idempotent():
-    model = optimize_for_cpu(random_target("llama"))
+    model = optimize_for_cpu(random_target("llama"), packed_min_rows=1)
     packed = {name: m._dspark_packed_weight[1] for name, m in model.named_modules() if isinstance(m, PackedLinear)}
-    assert optimize_for_cpu(model) is model
+    assert optimize_for_cpu(model, packed_min_rows=1) is model
     again = {name: m._dspark_packed_weight[1] for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert packed.keys() == again.keys() and all(packed[k] is again[k] for k in packed)
 
@@ -67,7 +67,7 @@ def test_tied_embeddings_and_save_pretrained_write_ordinary_weights(tmp_path):
     stock = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
     assert stock.lm_head.weight is stock.model.embed_tokens.weight
-    model = optimize_for_cpu(copy.deepcopy(stock))
+    model = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
     assert isinstance(model.lm_head, PackedLinear)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie is untouched
     assert set(model.state_dict()) == set(stock.state_dict())
@@ -82,7 +82,7 @@ def test_tied_embeddings_and_save_pretrained_write_ordinary_weights(tmp_path):
 
 
 def test_weights_changed_after_packing_are_repacked():
-    model = optimize_for_cpu(random_target("llama"))
+    model = optimize_for_cpu(random_target("llama"), packed_min_rows=1)
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, layer.in_features)
     with torch.no_grad():
@@ -93,7 +93,7 @@ def test_weights_changed_after_packing_are_repacked():
 
 
 def test_autograd_uses_the_stock_path():
-    model = optimize_for_cpu(random_target("llama"))
+    model = optimize_for_cpu(random_target("llama"), packed_min_rows=1)
     ids = torch.randint(0, 48, (1, 9))
     loss = model(ids, labels=ids).loss
     loss.backward()
@@ -103,7 +103,7 @@ def test_autograd_uses_the_stock_path():
 def test_unhandled_dtypes_are_left_alone_and_logged(caplog):
     model = random_target("llama").to(torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="dspark_hf.cpu_fast_path"):
-        optimize_for_cpu(model)
+        optimize_for_cpu(model, packed_min_rows=1)
     assert _count_packed(model) == 0
     assert "dtype torch.bfloat16" in caplog.text
 
@@ -117,7 +117,7 @@ def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
     assert reason is not None and "different from F.linear" in reason
     model = random_target("llama")
     with caplog.at_level(logging.WARNING, logger="dspark_hf.cpu_fast_path"):
-        optimize_for_cpu(model)
+        optimize_for_cpu(model, packed_min_rows=1)
     assert _count_packed(model) == 0
     assert "keeping the stock linear layers" in caplog.text
 
@@ -130,7 +130,7 @@ def test_device_map_with_offloaded_layers(tmp_path, monkeypatch):
                   "model.rotary_emb": "cpu", "lm_head": "cpu"}
     offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "target", device_map=device_map,
                                                      offload_folder=str(tmp_path / "offload"))
-    optimize_for_cpu(offloaded)
+    optimize_for_cpu(offloaded, packed_min_rows=1)
     calls = []
     packed_linear = fast_path._packed_linear
     monkeypatch.setattr(fast_path, "_packed_linear", lambda *args: calls.append(1) or packed_linear(*args))
@@ -149,3 +149,36 @@ def test_device_map_with_offloaded_layers(tmp_path, monkeypatch):
 def test_rejects_non_modules():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         optimize_for_cpu("not a model")
+
+
+def test_rows_below_the_crossover_keep_the_stock_kernel(monkeypatch):
+    import dspark_hf.cpu_fast_path as fast_path
+
+    calls = []
+    real = fast_path._packed_linear
+    monkeypatch.setattr(fast_path, "_packed_linear", lambda *args: calls.append(args[0].shape) or real(*args))
+    layer = optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(16, 8)), packed_min_rows=4)[0]
+    calls.clear()  # the feature probe's call
+    with torch.no_grad():
+        for rows in (1, 3):
+            assert torch.equal(layer(torch.ones(1, rows, 16)), torch.nn.functional.linear(torch.ones(1, rows, 16), layer.weight, layer.bias))
+        assert not calls
+        layer(torch.ones(2, 2, 16))  # 4 rows in all: batch x tokens
+        assert calls == [(2, 2, 16)]
+
+
+def test_measured_crossover_is_cached_per_shape_and_bounded():
+    from dspark_hf.cpu_fast_path import _measured_min_rows, measure_packed_min_rows
+
+    weight = torch.randn(40, 24)
+    rows = measure_packed_min_rows(weight)
+    assert 1 <= rows <= 17
+    assert _measured_min_rows[(40, 24, torch.get_num_threads())] == rows
+    _measured_min_rows[(40, 24, torch.get_num_threads())] = 5
+    model = optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(24, 40)))
+    assert model[0]._dspark_packed_min_rows == 5  # read from the cache, not measured again
+
+
+def test_bad_packed_min_rows_is_refused():
+    with pytest.raises(ValueError, match="packed_min_rows"):
+        optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(4, 4)), packed_min_rows=0)
