@@ -138,6 +138,10 @@ class PackedLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        # The row test comes first: a one-token decode step takes this branch in every layer, so it
+        # must cost no more than nn.Linear's own forward.
+        if input.numel() < self.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1) * input.shape[-1]:
+            return F.linear(input, weight, self.bias)
         usable = (
             weight.device.type == "cpu"
             and weight.dtype == torch.float32
@@ -145,7 +149,7 @@ class PackedLinear(nn.Linear):
             and input.device.type == "cpu"
             and not (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
         )
-        if not usable or input.numel() < getattr(self, _MIN_ROWS_ATTRIBUTE, 1) * input.shape[-1]:
+        if not usable:
             return F.linear(input, weight, self.bias)
         return _packed_linear(input, self._packed_weight(), self.bias)
 
