@@ -87,8 +87,12 @@ def test_readme_setup_and_test_commands_are_what_ci_runs():
     assert len(README) <= 12_500, f"README.md has {len(README)} characters; details belong in docs/"
 
 
-def test_readme_marks_where_the_new_results_go():
-    assert "<!-- results: filled by the lead from the new benchmark run -->" in README
+def test_readme_results_are_a_measured_table_with_its_command():
+    results = README[README.index("## Results"):README.index("## Formats")]
+    assert "<!-- results" not in results, "the README's results section still holds a placeholder"
+    assert re.search(r"\| GSM8K \| greedy \| \*\*\d\.\d\d×\*\*", results), "no measured GSM8K row"
+    assert "dspark-hf bench --num-prompts" in results, "the results must give the command that produced them"
+    assert "docs/benchmarks.md" in results
 
 
 # ----------------------------------------------------------------------------- prompt sets
