@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
+from .cpu_attention import use_cpu_gqa_attention
+
 logger = logging.get_logger(__name__)
 
 # oneDNN chooses its blocked weight layout for an expected number of input rows; verify steps run
@@ -171,7 +173,10 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
     Every float32 ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
-    docstring for why and what it costs). Outputs equal the stock model's within float32 rounding
+    docstring for why and what it costs). A model on CPU whose attention has grouped key/value heads
+    and runs on transformers' ``sdpa`` switches to an attention function that does not copy the KV
+    cache on multi-token steps (:mod:`dspark_hf.cpu_attention`; ``model.set_attn_implementation("sdpa")``
+    undoes it). Outputs equal the stock model's within float32 rounding
     (a different summation order); greedy generation is unchanged in practice, and DSpark's
     losslessness does not depend on it (draft and target are verified, not trusted).
 
@@ -195,15 +200,23 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
         raise ValueError(f"packed_min_rows must be an integer >= 1 or None (measure it), got {packed_min_rows!r}.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize_for_cpu expects a torch.nn.Module, got {type(model).__name__}.")
+    _pack_linear_layers(model, packed_min_rows)
+    first_parameter = next(model.parameters(), None)
+    if first_parameter is not None and first_parameter.device.type == "cpu":
+        use_cpu_gqa_attention(model)
+    return model
+
+
+def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     to_pack = [(name, m) for name, m in linears if not isinstance(m, PackedLinear)]
     if not to_pack:
-        logger.info("optimize_for_cpu: nothing to do (%d linear layers, all already packed).", len(linears))
-        return model
+        logger.info("optimize_for_cpu: nothing to pack (%d linear layers, all already packed).", len(linears))
+        return
     unavailable = fast_path_unavailable_reason()
     if unavailable is not None:
         logger.warning("optimize_for_cpu: keeping the stock linear layers: %s.", unavailable)
-        return model
+        return
 
     start = time.perf_counter()
     packed_bytes, skipped, crossovers = 0, {}, {}
@@ -231,7 +244,6 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
                     ", ".join(f"{o}x{i}: {r}" for (o, i), r in sorted(crossovers.items())))
     for reason, names in skipped.items():
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
-    return model
 
 
 def is_optimized_for_cpu(model: nn.Module) -> bool:

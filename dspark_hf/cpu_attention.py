@@ -1,0 +1,122 @@
+"""CPU fast path, attention part: grouped-query attention without copying the KV cache.
+
+transformers' ``sdpa`` attention runs grouped-query attention (fewer key/value heads than query
+heads) in one of three ways. For one query token it regroups the query; without a mask it lets
+PyTorch's SDPA broadcast the key/value heads (``enable_gqa=True``); with a mask and several query
+tokens - every verify forward of speculative decoding - it calls ``repeat_kv``, which copies the
+whole cached key and value tensors ``n_rep`` times in every layer, every step. On a 256-token
+context that copy made a verify of 2 to 16 tokens of SmolLM2-135M about 3 ms slower (about 10%
+of the step; ``benchmarks/verify_cost.py``), for logits that came out bit-identical.
+(transformers keeps the copy because on CUDA a masked ``enable_gqa`` call falls back to a slow
+kernel; PyTorch's CPU kernel takes it directly.)
+
+:func:`use_cpu_gqa_attention` switches a model to the attention function registered here under
+:data:`CPU_GQA_ATTENTION`, which makes that one case call SDPA with ``enable_gqa=True`` on CPU
+tensors and hands every other case to transformers' own ``sdpa_attention_forward`` unchanged. It
+is done through transformers' public ``AttentionInterface`` and ``set_attn_implementation``, so
+it is per model and undone by ``model.set_attn_implementation("sdpa")``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+CPU_GQA_ATTENTION = "sdpa_cpu_gqa"
+"""The ``attn_implementation`` name under which the CPU grouped-query attention is registered."""
+
+
+def cpu_gqa_sdpa_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention, except that a masked multi-token call with grouped KV
+    heads on CPU lets SDPA broadcast the heads instead of copying them with ``repeat_kv``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))
+    if (groups == 1 or query.shape[2] == 1 or attention_mask is None or special
+            or query.device.type != "cpu"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    # With a mask, transformers' path passes is_causal=False too: the mask carries causality.
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                            scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def cpu_gqa_unavailable_reason() -> str | None:
+    """Why masked ``enable_gqa`` SDPA cannot replace ``repeat_kv`` here, or None when it can."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        query = torch.randn(1, 6, 3, 16, generator=generator)
+        key, value = (torch.randn(1, 2, 9, 16, generator=generator) for _ in range(2))
+        mask = torch.ones(3, 9, dtype=torch.bool).tril(diagonal=6)[None, None]
+        with torch.no_grad():
+            got = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+            expected = F.scaled_dot_product_attention(query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask)
+    except Exception as error:  # torch < 2.5 has no enable_gqa
+        return f"masked SDPA with enable_gqa failed on a probe ({type(error).__name__}: {error})"
+    if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        return "masked SDPA with enable_gqa gave a result different from repeat_kv on a probe"
+    return None
+
+
+def _register() -> None:
+    if CPU_GQA_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(CPU_GQA_ATTENTION, cpu_gqa_sdpa_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(CPU_GQA_ATTENTION, sdpa_mask)
+
+
+def _has_grouped_kv_heads(config) -> bool:
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    return isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads
+
+
+def use_cpu_gqa_attention(model: nn.Module) -> bool:
+    """Switches a transformers model on ``sdpa`` attention with grouped KV heads to
+    :data:`CPU_GQA_ATTENTION`; returns whether the model uses it afterwards. A logged no-op for
+    other models (other attention implementations, no grouped heads, attention layers that do not
+    dispatch through transformers' ``AttentionInterface``, such as DSpark drafts, which already
+    call SDPA with ``enable_gqa``)."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == CPU_GQA_ATTENTION:
+        return True
+    # Only models whose attention layers dispatch through AttentionInterface can take the switch.
+    dispatches = getattr(model, "_supports_attention_backend", False) and hasattr(model, "set_attn_implementation")
+    if current != "sdpa" or not dispatches or not _has_grouped_kv_heads(config):
+        logger.info("optimize_for_cpu: attention left as it is (implementation %r, AttentionInterface: %s, grouped "
+                    "KV heads: %s).", current, bool(dispatches), config is not None and _has_grouped_kv_heads(config))
+        return False
+    unavailable = cpu_gqa_unavailable_reason()
+    if unavailable is not None:
+        logger.warning("optimize_for_cpu: keeping transformers' sdpa attention: %s.", unavailable)
+        return False
+    _register()
+    try:
+        model.set_attn_implementation(CPU_GQA_ATTENTION)
+    except (ValueError, ImportError) as error:
+        logger.warning("optimize_for_cpu: keeping transformers' sdpa attention: set_attn_implementation refused "
+                       "%r (%s).", CPU_GQA_ATTENTION, error)
+        return False
+    logger.info("optimize_for_cpu: attention runs grouped-query SDPA without repeat_kv copies (%r).",
+                CPU_GQA_ATTENTION)
+    return True
+
+
+__all__ = ["CPU_GQA_ATTENTION", "cpu_gqa_sdpa_forward", "cpu_gqa_unavailable_reason", "use_cpu_gqa_attention"]

@@ -1,0 +1,82 @@
+"""optimize_for_cpu's attention part: grouped-query SDPA without repeat_kv copies on CPU."""
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import dspark_hf.cpu_attention as cpu_attention
+from dspark_hf import DSparkDraftModel, optimize_for_cpu
+from dspark_hf.cpu_attention import CPU_GQA_ATTENTION, use_cpu_gqa_attention
+from tiny_models import random_target
+
+
+def _cached_step_logits(model, context, new_tokens):
+    """Logits of a multi-token step on a cached context: the verify forward's shape."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(context, past_key_values=cache, use_cache=True)
+        return model(new_tokens, past_key_values=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_multi_token_steps_equal_the_stock_model_and_skip_repeat_kv(arch, monkeypatch):
+    stock = random_target(arch, num_layers=3)
+    prepared = copy.deepcopy(stock)
+    assert use_cpu_gqa_attention(prepared)
+    assert prepared.config._attn_implementation == CPU_GQA_ATTENTION
+    delegated = []
+    original = cpu_attention.sdpa_attention_forward
+    monkeypatch.setattr(cpu_attention, "sdpa_attention_forward",
+                        lambda *a, **k: delegated.append(a[1].shape[2]) or original(*a, **k))
+    context = torch.randint(1, 48, (2, 9), generator=torch.Generator().manual_seed(0))
+    new_tokens = torch.randint(1, 48, (2, 5), generator=torch.Generator().manual_seed(1))
+    expected = _cached_step_logits(stock, context, new_tokens)
+    delegated.clear()
+    got = _cached_step_logits(prepared, context, new_tokens)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # The prefill (9 tokens, causal, no mask needed) may go to transformers' function; the masked
+    # 5-token step must not: that is the case this module exists for.
+    assert 5 not in delegated, "the multi-token cached step still went through repeat_kv"
+
+
+def test_greedy_generation_is_unchanged():
+    stock = random_target(num_layers=3)
+    prepared = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
+    assert prepared.config._attn_implementation == CPU_GQA_ATTENTION
+    prompt = torch.randint(1, 48, (1, 7), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(prepared.generate(prompt, **kwargs), stock.generate(prompt, **kwargs))
+
+
+def test_idempotent_reversible_and_not_saved(tmp_path):
+    model = random_target(num_layers=2)
+    optimize_for_cpu(model)
+    optimize_for_cpu(model)
+    assert model.config._attn_implementation == CPU_GQA_ATTENTION
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert CPU_GQA_ATTENTION not in json.dumps(saved), "the run-time attention choice must not be saved"
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_models_it_does_not_handle_are_left_alone(caplog):
+    eager = random_target(num_layers=2)
+    eager.set_attn_implementation("eager")
+    assert not use_cpu_gqa_attention(eager) and eager.config._attn_implementation == "eager"
+    draft = DSparkDraftModel.from_target(random_target(num_layers=2), block_size=4)
+    before = getattr(draft.config, "_attn_implementation", None)
+    assert not use_cpu_gqa_attention(draft)  # its own attention already calls SDPA with enable_gqa
+    assert getattr(draft.config, "_attn_implementation", None) == before
+
+
+def test_a_failing_probe_keeps_sdpa_with_a_logged_reason(monkeypatch, caplog):
+    model = random_target(num_layers=2)
+    monkeypatch.setattr(cpu_attention, "cpu_gqa_unavailable_reason", lambda: "probe says no")
+    with caplog.at_level("WARNING"):
+        assert not use_cpu_gqa_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert "probe says no" in caplog.text
