@@ -80,3 +80,31 @@ def test_a_failing_probe_keeps_sdpa_with_a_logged_reason(monkeypatch, caplog):
         assert not use_cpu_gqa_attention(model)
     assert model.config._attn_implementation == "sdpa"
     assert "probe says no" in caplog.text
+
+
+def test_batched_dspark_with_a_prepared_target_equals_the_stock_target_per_row():
+    """Left-padded rows and ragged verify lengths give masked multi-token steps: the case the
+    attention function handles itself."""
+    from dspark_hf import FixedLengthPolicy
+    from tiny_models import markov_draft, target_next_token_table
+
+    stock = random_target(context_scale=0.5, eos_token_id=5)
+    target = optimize_for_cpu(copy.deepcopy(stock))
+    assert target.config._attn_implementation == CPU_GQA_ATTENTION
+    draft = markov_draft(target, target_next_token_table(target), block_size=4)
+    draft.verify_policy = FixedLengthPolicy(4)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(6, 48, (n,), generator=generator).tolist() for n in (3, 9, 6)]
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                          assistant_model=draft)
+    for i, prompt in enumerate(prompts):
+        alone = stock.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+        expected = alone[0, len(prompt):].tolist()
+        assert out[i, width:width + len(expected)].tolist() == expected, f"row {i}"
+    assert draft.generation_stats.accepted_tokens > 0
