@@ -63,6 +63,7 @@ class TrainingConfig:
     tv_weight: float = 0.9
     conf_weight: float = 1.0
     init_from_target: bool = True
+    init_from_draft: str | None = None  # warm start: a saved draft folder with the same architecture
     held_out_sequences: int = 32
     save_every: int = 200
     log_every: int = 10
@@ -244,9 +245,33 @@ def make_draft(target: PreTrainedModel, cfg: TrainingConfig) -> DSparkDraftModel
         confidence_head_with_markov=cfg.confidence_head_with_markov, mask_token_id=cfg.mask_token_id,
     )
     draft = draft.float()
-    if cfg.init_from_target:
+    if cfg.init_from_draft:
+        init_from_saved_draft(draft, cfg.init_from_draft)
+    elif cfg.init_from_target:
         init_from_target_layers(draft, target)
     return draft
+
+
+@torch.no_grad()
+def init_from_saved_draft(draft: DSparkDraftModel, path: str | Path) -> None:
+    """Starts training from a saved draft's weights (a warm start, e.g. v1 -> v2 on more data).
+
+    The saved draft must have this run's architecture; its embedding and LM head, when saved, are
+    ignored because training borrows the target's frozen ones.
+    """
+    saved = DSparkDraftModel.from_pretrained(path, torch_dtype=torch.float32)
+    for key in ("block_size", "num_hidden_layers", "markov_rank", "markov_head_type", "target_layer_ids",
+                "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size"):
+        mine, theirs = getattr(draft.config, key, None), getattr(saved.config, key, None)
+        if mine != theirs:
+            raise ValueError(f"--init-from-draft {path}: its {key} is {theirs!r} but this run trains {mine!r}; "
+                             "pass training options that match the saved draft, or start without it.")
+    weights = {k: v for k, v in saved.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
+    if missing or unexpected:
+        raise ValueError(f"--init-from-draft {path}: weights do not fit (missing {missing}, unexpected {unexpected}).")
+    logger.warning(f"Warm start from {path}.")
 
 
 @torch.no_grad()
@@ -408,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=TrainingConfig.learning_rate)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--init-from-draft", default=None,
+                        help="warm start from a saved draft folder with the same architecture")
+    parser.add_argument("--save-every", type=int, default=TrainingConfig.save_every)
     parser.add_argument("--prepare-only", action="store_true", help="only build the corpus and the feature cache")
     parser.add_argument("--fp16", action="store_true", help="save the draft in fp16")
     args = parser.parse_args(argv)
@@ -439,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainingConfig(markov_rank=args.markov_rank, max_steps=args.max_steps, learning_rate=args.learning_rate,
                          confidence_head=not args.no_confidence_head,
                          confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
-                         mask_token_id=mask_token_id(tokenizer))
+                         mask_token_id=mask_token_id(tokenizer), init_from_draft=args.init_from_draft,
+                         save_every=args.save_every)
     cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
     tokens = sum(min(len(r["prompt_ids"]) + len(r["answer_ids"]), cfg.max_seq_len) for r in records)
     feature_gb = tokens * (len(cfg.target_layer_ids) + 1) * target.config.hidden_size * 2 / 1e9

@@ -119,3 +119,26 @@ def test_sequential_temperature_scaling_recovers_known_miscalibration():
     before = per_position_ece(overconfident, acceptance)
     after = per_position_ece(overconfident, acceptance, temps)
     assert all(a < 0.02 for a in after) and max(before) > 0.05
+
+
+def test_warm_start_from_a_saved_draft_copies_its_weights_and_refuses_a_mismatch(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    target, items, cfg = _bigram_setup(tmp_path)
+    torch.manual_seed(5)
+    saved = make_draft(target, cfg)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # differ from any fresh initialisation
+    saved.save_pretrained(tmp_path / "v1")
+    warm = make_draft(target, dataclasses.replace(cfg, init_from_draft=str(tmp_path / "v1")))
+    fresh = make_draft(target, cfg)
+    for name, value in saved.state_dict().items():
+        if name.startswith(("embed_tokens.", "lm_head.")):
+            continue
+        assert torch.equal(warm.state_dict()[name], value), name
+    assert not torch.equal(fresh.fc.weight, saved.fc.weight)
+    with pytest.raises(ValueError, match="markov_rank"):
+        make_draft(target, dataclasses.replace(cfg, markov_rank=4, init_from_draft=str(tmp_path / "v1")))
