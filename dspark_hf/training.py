@@ -165,7 +165,8 @@ def build_feature_cache(target: PreTrainedModel, records: list[dict], layer_ids:
                         max_seq_len: int) -> list[dict]:
     """Sequences with their target features, cached at ``path`` (recomputed if missing)."""
     if path.exists():
-        cached = torch.load(path, weights_only=True)
+        # memory-mapped: runs trained side by side on one cache share its pages instead of a copy each
+        cached = torch.load(path, weights_only=True, mmap=True)
         if cached["layer_ids"] == list(layer_ids) and len(cached["items"]) == len(records):
             return cached["items"]
     items = []
