@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -73,7 +74,13 @@ def _convert(target_dir: Path) -> None:
     tmp = target_dir.with_name(target_dir.name + f".tmp{os.getpid()}")
     dense.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target_dir)
+    try:
+        tmp.rename(target_dir)
+    except OSError:
+        # Another process finished the same conversion first: its copy is identical, keep it.
+        if not (target_dir / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
