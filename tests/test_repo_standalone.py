@@ -181,3 +181,29 @@ def test_example_names_a_missing_shipped_draft(monkeypatch, tmp_path, capsys):
     assert exit_info.value.code == 2
     message = " ".join(capsys.readouterr().err.split())
     assert f"{tmp_path / 'missing-draft'} does not exist" in message and "--draft PATH" in message
+
+
+def test_shipped_drafts_are_found_from_the_option_then_the_environment_then_the_source_tree(monkeypatch, tmp_path):
+    from dspark_hf.benchmarks import shipped_drafts
+
+    monkeypatch.delenv("DSPARK_HF_DRAFTS", raising=False)
+    assert shipped_drafts.shipped_drafts_dir() == REPO / "drafts"  # this checkout
+    monkeypatch.setenv("DSPARK_HF_DRAFTS", str(tmp_path / "env"))
+    assert shipped_drafts.shipped_drafts_dir() == tmp_path / "env"
+    assert shipped_drafts.shipped_drafts_dir(tmp_path / "option") == tmp_path / "option"
+    monkeypatch.delenv("DSPARK_HF_DRAFTS")
+    monkeypatch.setattr(shipped_drafts, "SOURCE_TREE_DRAFTS", tmp_path / "not-a-clone" / "drafts")
+    assert shipped_drafts.shipped_drafts_dir() is None
+
+
+def test_bench_without_any_drafts_folder_says_where_to_get_them(monkeypatch, tmp_path, capsys):
+    from dspark_hf.benchmarks import shipped_drafts
+
+    monkeypatch.delenv("DSPARK_HF_DRAFTS", raising=False)
+    monkeypatch.setattr(shipped_drafts, "SOURCE_TREE_DRAFTS", tmp_path / "site-packages" / "drafts")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--quick"])  # fails before any model is loaded
+    assert exit_info.value.code == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "no drafts folder found" in message and "git clone" in message
+    assert "--drafts-dir PATH" in message and "$DSPARK_HF_DRAFTS" in message and "--dspark PATH" in message
