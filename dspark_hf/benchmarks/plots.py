@@ -56,7 +56,8 @@ def write_plots(rows: list[dict], sps_record: dict | None, out_dir: Path,
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(k accepted | 1..k-1 accepted)")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=6)
+    if ax.get_legend_handles_labels()[0]:  # no curve when neither fixed-7 method ran
+        ax.legend(fontsize=6)
     fig.tight_layout()
     written.append(out_dir / "acceptance.png")
     fig.savefig(written[-1], dpi=120)
