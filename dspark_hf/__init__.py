@@ -10,7 +10,7 @@ from .checkpoint_formats import checkpoint_format
 from .configuration_dspark import DSparkConfig, is_dspark_config
 from .cost_model import StepCostModel
 from .cpu_fast_path import optimize_for_cpu
-# Hub tooling re-exported for users (the package facade; runtime modules do not import it)
+# Hub tooling re-exported for users: the package facade, not the decoding path (docs/architecture.md)
 from .hub import export, push_to_hub, render_model_card
 from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
 from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
