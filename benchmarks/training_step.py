@@ -1,6 +1,6 @@
 """Where a draft training step's time goes (issue: drafts v2, item 2), on SmolLM2-135M-Instruct.
 
-Runs the real training step (:func:`dspark_hf.training.step_loss`, backward, AdamW) on records of
+Runs the real training step (:func:`dspark_hf.training.trainer.step_loss`, backward, AdamW) on records of
 an on-policy data folder and prints
 
 * wall time per step split into forward, backward and optimiser, and sequences (blocks) per second;
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dspark_hf.smollm2 import load_smollm2
-from dspark_hf.training import TrainingConfig, make_draft, sample_anchors, step_loss, target_features
+from dspark_hf.training.smollm2 import load_smollm2
+from dspark_hf.training.trainer import TrainingConfig, make_draft, sample_anchors, step_loss, target_features
 
 
 def _records(folder: Path, count: int) -> list[dict]:
@@ -36,7 +36,7 @@ def _records(folder: Path, count: int) -> list[dict]:
         if len(records) >= count:
             break
     if not records:
-        raise SystemExit(f"No shard-*.jsonl.gz records in {folder}; make them with python -m dspark_hf.datagen.")
+        raise SystemExit(f"No shard-*.jsonl.gz records in {folder}; make them with python -m dspark_hf.training.datagen.")
     return records[:count]
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_hf import optimize_for_cpu
-from dspark_hf.smollm2 import load_smollm2
+from dspark_hf.training.smollm2 import load_smollm2
 
 
 def _stepper(model, context, new_ids):

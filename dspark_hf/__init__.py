@@ -4,11 +4,14 @@ After ``import dspark_hf``, ``target.generate(**inputs, assistant_model=draft)``
 :class:`DSparkDraftModel` runs DSpark decoding (greedy or sampling, output unchanged).
 """
 
+from .auto_classes import register_auto_classes
 from .candidate_generator import DSparkCandidateGenerator, DSparkGenerationStats, RoundStats
+from .checkpoint_formats import checkpoint_format
 from .configuration_dspark import DSparkConfig, is_dspark_config
 from .cost_model import StepCostModel
 from .cpu_fast_path import optimize_for_cpu
-from .hub import checkpoint_format, export, push_to_hub, register_auto_classes, render_model_card
+# Hub tooling re-exported for users: the package facade, not the decoding path (docs/architecture.md)
+from .hub import export, push_to_hub, render_model_card
 from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
 from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .sampling import SerialSample, serial_sample

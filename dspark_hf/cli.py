@@ -1,8 +1,9 @@
-"""The ``dspark-hf`` command: ``dspark-hf bench|train|evaluate|profile ...``.
+"""The ``dspark-hf`` command: ``dspark-hf bench|train|evaluate|profile|export ...``.
 
-Each subcommand is the CLI of one module (``--help`` on it shows its options):
-``bench`` -> :mod:`dspark_hf.bench`, ``train`` -> :mod:`dspark_hf.training`,
-``evaluate`` -> :mod:`dspark_hf.evaluation`, ``profile`` -> :mod:`dspark_hf.profile_cli`.
+Each subcommand is the CLI of one tooling module (``--help`` on it shows its options):
+``bench`` -> :mod:`dspark_hf.benchmarks.bench_cli`, ``train`` -> :mod:`dspark_hf.training.train_cli`,
+``evaluate`` -> :mod:`dspark_hf.benchmarks.evaluation`, ``profile`` -> :mod:`dspark_hf.benchmarks.profile_cli`,
+``export`` -> :mod:`dspark_hf.hub.export_cli`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"bench": "dspark_hf.bench", "train": "dspark_hf.training", "evaluate": "dspark_hf.evaluation",
-            "profile": "dspark_hf.profile_cli"}
+# Imported only when its subcommand runs, so `dspark-hf <command>` loads one tool.
+COMMANDS = {"bench": "dspark_hf.benchmarks.bench_cli", "train": "dspark_hf.training.train_cli",
+            "evaluate": "dspark_hf.benchmarks.evaluation", "profile": "dspark_hf.benchmarks.profile_cli",
+            "export": "dspark_hf.hub.export_cli"}
 
 
 def main(argv: list[str] | None = None) -> None:

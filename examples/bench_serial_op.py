@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_hf import cuda_ops  # noqa: E402
+from dspark_hf.benchmarks.environment import capture_environment  # noqa: E402
 from dspark_hf.configuration_dspark import DSparkConfig  # noqa: E402
 from dspark_hf.modeling_dspark import ConfidenceHead, MarkovHead  # noqa: E402
 from dspark_hf.sampling import serial_sample  # noqa: E402
@@ -236,8 +236,7 @@ def main():
     t0 = time.perf_counter()
     cuda_ops.load_extension()
     build_s = time.perf_counter() - t0
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "extension_load_s": build_s}
+    info = {**capture_environment(), "extension_load_s": build_s}
     print(json.dumps(info), flush=True)
     results = {"info": info, "serial": bench_serial(args)}
     goal = [r for r in results["serial"] if r["gamma"] == 16 and r["vocab"] == 151936 and r["batch"] == 1]

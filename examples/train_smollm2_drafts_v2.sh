@@ -14,7 +14,7 @@ PROMPTS=${1:-4864}
 STEPS=${2:-3000}
 DATA=(--corpus data/smollm2-onpolicy --max-sequences "$PROMPTS")
 COMMON=(--max-steps "$STEPS" --learning-rate 5e-4 --save-every 100 --threads 1 --fp16 --resume)
-python -m dspark_hf.datagen --out data/smollm2-onpolicy --max-prompts "$PROMPTS" --threads 2
+python -m dspark_hf.training.datagen --out data/smollm2-onpolicy --max-prompts "$PROMPTS" --threads 2
 python -m dspark_hf.training --prepare-only "${DATA[@]}" --threads 2
 mkdir -p runs/v2
 python -m dspark_hf.training --output runs/v2/dspark "${DATA[@]}" "${COMMON[@]}" --markov-rank 64 \

@@ -7,7 +7,7 @@ DRAFT_FOLDER is a folder written by ``dspark_hf.hub.export`` (transformers or De
 ``measured.json`` holds measured accepted lengths (see ``dspark_hf.hub.render_model_card``):
 ``{"setup": "...", "results": {method: {benchmark: tau}}, "benchmarks": [...], "source": "..."}``;
 without it the card says the draft is not measured yet. ``training.json`` is a flat dict of facts
-about the training run. The template is ``dspark_hf/hub_templates/model_card.md``.
+about the training run. The template is ``dspark_hf/hub/templates/model_card.md``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python model_cards/render_shipped.py [--results results/tau_dspark.json results/tau_dflash.json]
 
-Reads the JSON files written by ``python -m dspark_hf.evaluation`` and writes
+Reads the JSON files written by ``python -m dspark_hf.benchmarks.evaluation`` and writes
 ``model_cards/smollm2-135m-dspark.md`` and ``model_cards/smollm2-135m-dflash.md``. Only the
 benchmarks present in the results appear in the tables.
 """
@@ -33,12 +33,14 @@ def measured_table(result_files: list[Path], this_draft: str) -> dict | None:
     if not results:
         return None
     env = json.loads(result_files[0].read_text())["environment"]
+    # results written before the benchmarks shared capture_environment() call the field "threads"
+    threads = env.get("torch_threads", env.get("threads"))
     return {
-        "setup": (f"target SmolLM2-135M-Instruct fp32 on CPU ({env['threads']} thread), first {settings['num_prompts']} "
+        "setup": (f"target SmolLM2-135M-Instruct fp32 on CPU ({threads} thread), first {settings['num_prompts']} "
                   f"prompts per dataset, chat template, {settings['max_new_tokens']} new tokens, full block verified; "
                   f"greedy and temperature 1.0; measured {env['date']}"),
         "results": results,
-        "source": "python -m dspark_hf.evaluation (results/tau_*.json)",
+        "source": "python -m dspark_hf.benchmarks.evaluation (results/tau_*.json)",
     }
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf import bench
-from dspark_hf.bench import RunRecord, markdown_table, summarize
+from dspark_hf.benchmarks import bench_cli as bench
+from dspark_hf.benchmarks.runner import RunRecord
+from dspark_hf.benchmarks.summary import markdown_table, summarize
 from dspark_hf.candidate_generator import RoundStats
 from tiny_models import random_target, tiny_tokenizer
 

@@ -150,7 +150,7 @@ def test_fixed_policies_ignore_observations():
 
 
 def test_profile_command_writes_the_table_the_default_scheduler_then_reads(tmp_path, monkeypatch):
-    from dspark_hf import profile_cli
+    from dspark_hf.benchmarks import profile_cli
 
     target = random_target("llama")
     target.save_pretrained(tmp_path / "target")

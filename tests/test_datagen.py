@@ -1,4 +1,4 @@
-"""On-policy data generation (dspark_hf.datagen): batched answers equal single ones, shards are
+"""On-policy data generation (dspark_hf.training.datagen): batched answers equal single ones, shards are
 atomic and resumable, records name their source, and the prompt sources are recorded."""
 
 import gzip
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_hf import datagen
-from dspark_hf.datagen import (
+from dspark_hf.training import datagen
+from dspark_hf.training.datagen import (
     FORMAT_VERSION,
     generate_batch,
     load_onpolicy_corpus,
@@ -20,10 +20,10 @@ from dspark_hf.datagen import (
     prepare_folder,
     run_datagen,
     shard_path,
-    trim_after_eos,
 )
-from dspark_hf.evaluation import default_prompt_dir
-from dspark_hf.prompt_sources import SOURCES, Prompt, eval_overlap, normalize_text
+from dspark_hf.benchmarks.prompt_sets import default_prompt_dir
+from dspark_hf.training.data import trim_after_eos
+from dspark_hf.training.prompt_sources import SOURCES, Prompt, eval_overlap, normalize_text
 from tiny_models import random_target, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,7 +178,8 @@ def test_max_prompts_then_full_run(tmp_path, target, tokenizer):
 
 
 def test_training_cli_trains_on_a_datagen_folder(tmp_path, target, tokenizer, monkeypatch):
-    from dspark_hf import smollm2, training
+    from dspark_hf.training import smollm2
+    from dspark_hf.training import train_cli as training
 
     folder = tmp_path / "corpus"
     config = _config(max_new_tokens=16, batch_size=8, shard_size=16)
@@ -244,7 +245,7 @@ def test_dm_math_source_is_seeded_and_leaves_global_rngs_alone():
     pytest.importorskip("mathematics_dataset")
     import numpy as np
 
-    from dspark_hf.prompt_sources import dm_math_source
+    from dspark_hf.training.prompt_sources import dm_math_source
 
     random.seed(123)
     np.random.seed(123)
@@ -269,7 +270,7 @@ def test_champ_and_code_sources():
     pytest.importorskip("champ_dataset")
     pytest.importorskip("boltons")
     pytest.importorskip("more_itertools")
-    from dspark_hf.prompt_sources import champ_source, code_source
+    from dspark_hf.training.prompt_sources import champ_source, code_source
 
     champ = champ_source()
     assert len(champ) == 270 and all(p.text and p.detail.startswith("P_") for p in champ)
@@ -295,7 +296,7 @@ EVAL_PROMPTS = default_prompt_dir()  # the sets shipped in the package, or $DSPA
 @pytest.mark.skipif(not EVAL_PROMPTS.is_dir(), reason="evaluation prompts not available here "
                     "(set DSPARK_EVAL_PROMPTS to a folder of *.jsonl with {'turns': [...]})")
 def test_committed_plan_does_not_overlap_the_evaluation_sets():
-    from dspark_hf.prompt_sources import read_eval_prompts
+    from dspark_hf.training.prompt_sources import read_eval_prompts
 
     eval_sets = read_eval_prompts(EVAL_PROMPTS)
     assert eval_sets and all(eval_sets.values())

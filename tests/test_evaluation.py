@@ -5,7 +5,8 @@ import json
 import pytest
 
 from dspark_hf.candidate_generator import DSparkGenerationStats, RoundStats
-from dspark_hf.evaluation import load_eval_prompts, merge_stats
+from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
+from dspark_hf.benchmarks.summary import merge_stats
 
 
 def test_load_eval_prompts_first_turns(tmp_path, monkeypatch):

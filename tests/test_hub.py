@@ -585,3 +585,22 @@ def test_model_cards_cli_renders_a_card_from_a_folder_and_a_json_of_numbers(card
 def test_package_exports():
     for name in ("export", "push_to_hub", "render_model_card", "checkpoint_format", "register_auto_classes"):
         assert name in dspark_hf.__all__ and callable(getattr(dspark_hf, name))
+
+
+def test_export_command_writes_both_layouts_and_asks_for_the_target_when_it_needs_it(tmp_path, capsys):
+    from dspark_hf import cli
+
+    target = _target()
+    draft = _trained_draft(target)
+    draft.save_pretrained(tmp_path / "saved")  # borrows the target's embedding and LM head
+    target.save_pretrained(tmp_path / "target")
+    cli.main(["export", str(tmp_path / "saved"), str(tmp_path / "hf"), "--repo-id", DRAFT_REPO])
+    assert {"config.json", "model.safetensors", "custom_generate/generate.py", "README.md"} <= _files(tmp_path / "hf")
+    with pytest.raises(SystemExit) as exit_info:  # DeepSpec stores embedding copies: needs the target
+        cli.main(["export", str(tmp_path / "saved"), str(tmp_path / "ds"), "--format", "deepspec"])
+    assert exit_info.value.code == 2 and "--target PATH" in capsys.readouterr().err
+    cli.main(["export", str(tmp_path / "saved"), str(tmp_path / "ds"), "--format", "deepspec",
+              "--target", str(tmp_path / "target")])
+    assert checkpoint_format(json.loads((tmp_path / "ds" / "config.json").read_text())) == "deepspec"
+    assert_same_drafting(drafting_signature(DSparkDraftModel.from_pretrained(tmp_path / "ds"), target),
+                         drafting_signature(draft, target), atol=0)

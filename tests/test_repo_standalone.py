@@ -15,7 +15,9 @@ from types import ModuleType
 import pytest
 
 import dspark_hf
-from dspark_hf import bench, cli, evaluation
+from dspark_hf import cli
+from dspark_hf.benchmarks import bench_cli as bench
+from dspark_hf.benchmarks import prompt_sets as evaluation
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -97,7 +99,7 @@ def test_readme_results_are_a_measured_table_with_its_command():
 
 # ----------------------------------------------------------------------------- prompt sets
 def test_the_package_ships_the_three_prompt_sets_with_their_licences():
-    folder = Path(dspark_hf.__file__).parent / "eval_prompts"
+    folder = Path(dspark_hf.__file__).parent / "benchmarks" / "eval_prompts"
     for name, count in PROMPT_SETS.items():
         lines = (folder / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
@@ -109,7 +111,8 @@ def test_the_package_ships_the_three_prompt_sets_with_their_licences():
                             ("lm-sys/FastChat", "Apache-2.0")):
         assert source in notes and licence in notes
     # ... and the wheel carries them: setuptools' package data matches every file there.
-    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["dspark_hf"]
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "dspark_hf.benchmarks"]
     package_root = folder.parent
     shipped = {p for pattern in patterns for p in package_root.glob(pattern) if p.is_file()}
     assert {folder / f"{name}.jsonl" for name in PROMPT_SETS} | {folder / "README.md"} <= shipped
@@ -117,7 +120,7 @@ def test_the_package_ships_the_three_prompt_sets_with_their_licences():
 
 def test_default_prompt_dir_is_the_packaged_folder_unless_overridden(monkeypatch, tmp_path):
     monkeypatch.delenv("DSPARK_EVAL_PROMPTS", raising=False)
-    assert evaluation.default_prompt_dir() == Path(dspark_hf.__file__).parent / "eval_prompts"
+    assert evaluation.default_prompt_dir() == Path(dspark_hf.__file__).parent / "benchmarks" / "eval_prompts"
     first = evaluation.load_eval_prompts("gsm8k", 1)
     assert len(first) == 1 and first[0].startswith("Janet")
     monkeypatch.setenv("DSPARK_EVAL_PROMPTS", str(tmp_path))
@@ -136,11 +139,11 @@ def test_no_code_reads_the_workspace_outside_the_repository():
 # ----------------------------------------------------------------------------- CLI and drafts
 def test_bench_help_runs_from_any_folder(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "dspark_hf.bench", "--help"], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-m", "dspark_hf.benchmarks.bench_cli", "--help"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     help_text = " ".join(result.stdout.split())
-    assert "--dspark" in help_text and "sets shipped in dspark_hf/eval_prompts" in help_text
+    assert "--dspark" in help_text and "sets shipped in dspark_hf/benchmarks/eval_prompts" in help_text
 
 
 def test_cli_docstring_lists_exactly_the_subcommands():
@@ -158,7 +161,7 @@ def test_bench_names_a_missing_shipped_draft_and_how_to_pass_one(name, monkeypat
     if name.endswith("dflash"):  # the DSpark draft is there, the ablation is not
         (drafts / "smollm2-135m-dspark").mkdir()
         (drafts / "smollm2-135m-dspark" / "config.json").write_text("{}")
-    monkeypatch.setattr(bench, "REPO_DRAFTS", drafts)
+    monkeypatch.setenv("DSPARK_HF_DRAFTS", str(drafts))
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--quick"])  # fails before any model is loaded
     assert exit_info.value.code == 2
@@ -178,3 +181,29 @@ def test_example_names_a_missing_shipped_draft(monkeypatch, tmp_path, capsys):
     assert exit_info.value.code == 2
     message = " ".join(capsys.readouterr().err.split())
     assert f"{tmp_path / 'missing-draft'} does not exist" in message and "--draft PATH" in message
+
+
+def test_shipped_drafts_are_found_from_the_option_then_the_environment_then_the_source_tree(monkeypatch, tmp_path):
+    from dspark_hf.benchmarks import shipped_drafts
+
+    monkeypatch.delenv("DSPARK_HF_DRAFTS", raising=False)
+    assert shipped_drafts.shipped_drafts_dir() == REPO / "drafts"  # this checkout
+    monkeypatch.setenv("DSPARK_HF_DRAFTS", str(tmp_path / "env"))
+    assert shipped_drafts.shipped_drafts_dir() == tmp_path / "env"
+    assert shipped_drafts.shipped_drafts_dir(tmp_path / "option") == tmp_path / "option"
+    monkeypatch.delenv("DSPARK_HF_DRAFTS")
+    monkeypatch.setattr(shipped_drafts, "SOURCE_TREE_DRAFTS", tmp_path / "not-a-clone" / "drafts")
+    assert shipped_drafts.shipped_drafts_dir() is None
+
+
+def test_bench_without_any_drafts_folder_says_where_to_get_them(monkeypatch, tmp_path, capsys):
+    from dspark_hf.benchmarks import shipped_drafts
+
+    monkeypatch.delenv("DSPARK_HF_DRAFTS", raising=False)
+    monkeypatch.setattr(shipped_drafts, "SOURCE_TREE_DRAFTS", tmp_path / "site-packages" / "drafts")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--quick"])  # fails before any model is loaded
+    assert exit_info.value.code == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "no drafts folder found" in message and "git clone" in message
+    assert "--drafts-dir PATH" in message and "$DSPARK_HF_DRAFTS" in message and "--dspark PATH" in message

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy
-from dspark_hf import smollm2
+from dspark_hf.training import smollm2
 
 DRAFTS = Path(__file__).resolve().parents[1] / "drafts"
 SHIPPED = ["smollm2-135m-dspark", "smollm2-135m-dflash"]

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from dspark_hf.calibration import per_position_ece, sequential_temperature_scaling
-from dspark_hf.training import (
+from dspark_hf.training.calibration import per_position_ece, sequential_temperature_scaling
+from dspark_hf.training.trainer import (
     TrainingConfig,
     block_attention_mask,
     build_feature_cache,

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ..modeling_dspark import DSparkDraftModel
+from .trainer import draft_block_outputs, sample_anchors, serial_logits_teacher_forced
+
 DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81)  # temperatures 0.1 .. 10
 
 
@@ -95,11 +98,33 @@ def reliability_diagram(confidence_logits, acceptance, temperatures, path: str |
     return path
 
 
+@torch.no_grad()
+def collect_confidences(draft: DSparkDraftModel, target_head, items: list[dict], anchors_per_sequence: int = 32,
+                        seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced held-out statistics: (confidence logits, acceptance 1 - TV/2, argmax match), each (N, gamma)."""
+    generator = torch.Generator().manual_seed(seed)
+    conf, accept, match = [], [], []
+    gamma = draft.config.block_size
+    for item in items:
+        anchors = sample_anchors(item["ids"].numel(), item["answer_start"], anchors_per_sequence, gamma, generator)
+        if anchors.numel() == 0:
+            continue
+        base, hidden, previous, labels = draft_block_outputs(draft, item, anchors)
+        logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
+        final = item["final"].to(hidden.device, torch.float32)
+        positions = anchors[:, None] + torch.arange(gamma) + 1
+        p_target = torch.softmax(target_head(final[positions - 1]).float(), -1)
+        p_draft = torch.softmax(logits.float(), -1)
+        accept.append(1 - 0.5 * (p_draft - p_target).abs().sum(-1))
+        match.append((logits.argmax(-1) == p_target.argmax(-1)).float())
+        if confidence is not None:
+            conf.append(confidence.float())
+    return (torch.cat(conf) if conf else None), torch.cat(accept), torch.cat(match)
+
+
 def calibrate_draft(draft, target, held_out_items: list[dict], output_dir: Path) -> dict:
     """Fits STS temperatures on held-out sequences, stores them in ``draft.config`` and writes
     ``calibration.json`` (per-position ECE before/after) and ``reliability.png`` to ``output_dir``."""
-    from .training import collect_confidences
-
     draft.config.confidence_temperatures = None
     logits, acceptance, _ = collect_confidences(draft, target.get_output_embeddings(), held_out_items)
     temperatures = sequential_temperature_scaling(logits, acceptance)
@@ -115,5 +140,5 @@ def calibrate_draft(draft, target, held_out_items: list[dict], output_dir: Path)
     return report
 
 
-__all__ = ["expected_calibration_error", "sequential_temperature_scaling", "per_position_ece",
+__all__ = ["collect_confidences", "expected_calibration_error", "sequential_temperature_scaling", "per_position_ece",
            "reliability_diagram", "calibrate_draft", "survival"]

@@ -2,7 +2,7 @@
 
 One command makes (or resumes) the whole corpus::
 
-    python -m dspark_hf.datagen --out data/smollm2-onpolicy --threads 2
+    python -m dspark_hf.training.datagen --out data/smollm2-onpolicy --threads 2
 
 The output folder holds
 
@@ -44,10 +44,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-import dspark_hf
-
-from .data import chat_prompt_ids
-from .prompt_sources import SOURCES, Prompt, load_sources, source_versions
+from ..cpu_fast_path import optimize_for_cpu
+from . import smollm2
+from .data import chat_prompt_ids, trim_after_eos
+from .prompt_sources import SOURCES, Prompt, eval_overlap, load_sources, read_eval_prompts, source_versions
 
 logger = logging.get_logger(__name__)
 
@@ -160,15 +160,6 @@ def eos_token_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def trim_after_eos(tokens: list[int], eos_ids: Iterable[int]) -> list[int]:
-    """``tokens`` up to and including the first EOS (all of them when there is none)."""
-    eos_ids = set(eos_ids)
-    for position, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: position + 1]
-    return tokens
-
-
 @torch.no_grad()
 def generate_batch(target: PreTrainedModel, prompts: list[list[int]], *, do_sample: bool, max_new_tokens: int,
                    pad_token_id: int, eos_ids: list[int]) -> list[list[int]]:
@@ -271,10 +262,10 @@ def load_onpolicy_corpus(folder: str | Path, sources: Iterable[str] | None = Non
     folder = Path(folder)
     if not (folder / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{folder} is not a datagen folder (no {CONFIG_FILE}); make one with "
-                                f"`python -m dspark_hf.datagen --out {folder}`.")
+                                f"`python -m dspark_hf.training.datagen --out {folder}`.")
     paths = sorted(folder.glob(SHARD_GLOB))
     if not paths:
-        raise FileNotFoundError(f"{folder} has no finished shard yet; run `python -m dspark_hf.datagen --out {folder}`.")
+        raise FileNotFoundError(f"{folder} has no finished shard yet; run `python -m dspark_hf.training.datagen --out {folder}`.")
     wanted = set(sources) if sources is not None else None
     records = [r for path in paths for r in read_jsonl_gz(path) if wanted is None or r["source"] in wanted]
     records.sort(key=lambda r: r["prompt_index"])
@@ -289,10 +280,7 @@ def load_plan(folder: str | Path) -> list[dict]:
 # -------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> None:
     """CLI: plan the prompts, then answer them with the target into resumable shards."""
-    from . import smollm2
-    from .prompt_sources import eval_overlap, read_eval_prompts
-
-    parser = argparse.ArgumentParser(prog="python -m dspark_hf.datagen", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dspark_hf.training.datagen", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/smollm2-onpolicy", help="output folder (resumes if it exists)")
     parser.add_argument("--model", default=None,
@@ -339,17 +327,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     if args.plan_only:
         return
-    # The CPU fast path makes a batched decoding step cost about a single one; looked up at run time
-    # so this works with dspark_hf versions with and without it.
-    optimize = getattr(dspark_hf, "optimize_for_cpu", None)
-    if optimize is not None and target.device.type == "cpu":
-        target = optimize(target)
+    # The CPU fast path makes a batched decoding step cost about a single one.
+    if target.device.type == "cpu":
+        target = optimize_for_cpu(target)
     run_datagen(target, tokenizer, args.out, plan, {**config, "format_version": FORMAT_VERSION},
                 max_prompts=args.max_prompts)
 
 
 __all__ = ["build_plan", "eos_token_ids", "generate_batch", "generate_shard", "load_onpolicy_corpus", "load_plan",
-           "prepare_folder", "run_datagen", "trim_after_eos", "write_jsonl_gz_atomic"]
+           "prepare_folder", "run_datagen", "write_jsonl_gz_atomic"]
 
 
 if __name__ == "__main__":

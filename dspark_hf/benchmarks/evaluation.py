@@ -4,7 +4,7 @@ Runs ``target.generate(..., assistant_model=draft)`` with the full block verifie
 as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns,
 chat template applied) and aggregates the per-round statistics of every generation.
 
-    python -m dspark_hf.evaluation --drafts drafts/smollm2-dspark drafts/smollm2-dflash \
+    python -m dspark_hf.benchmarks.evaluation --drafts drafts/smollm2-dspark drafts/smollm2-dflash \
         --num-prompts 20 --max-new-tokens 256 --out results/tau.json
 """
 
@@ -12,61 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .candidate_generator import DSparkGenerationStats
-from .modeling_dspark import DSparkDraftModel
-from .scheduler import FixedLengthPolicy
-
-DATASETS = ("gsm8k", "humaneval", "mt-bench")
-
-
-PACKAGED_PROMPT_DIR = Path(__file__).resolve().parent / "eval_prompts"
-
-
-def default_prompt_dir() -> Path:
-    """``$DSPARK_EVAL_PROMPTS`` if set, else the prompt sets shipped in the package
-    (``dspark_hf/eval_prompts``: GSM8K test, HumanEval, MT-Bench; sources and licences in its README)."""
-    env = os.environ.get("DSPARK_EVAL_PROMPTS")
-    if env:
-        return Path(env)
-    return PACKAGED_PROMPT_DIR
-
-
-def load_eval_prompts(dataset: str, limit: int | None = None, prompt_dir: str | Path | None = None) -> list[str]:
-    """First turns of ``<prompt_dir>/<dataset>.jsonl`` (records with a ``turns`` list), in file order."""
-    path = Path(prompt_dir or default_prompt_dir()) / f"{dataset}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; set DSPARK_EVAL_PROMPTS to the folder holding {dataset}.jsonl.")
-    prompts = []
-    with path.open() as f:
-        for line in f:
-            if line.strip():
-                prompts.append(json.loads(line)["turns"][0])
-            if limit is not None and len(prompts) >= limit:
-                break
-    return prompts
-
-
-def merge_stats(all_stats: list[DSparkGenerationStats]) -> DSparkGenerationStats:
-    merged = DSparkGenerationStats(block_size=all_stats[0].block_size)
-    for stats in all_stats:
-        merged.rounds.extend(stats.rounds)
-    return merged
+from ..modeling_dspark import DSparkDraftModel
+from ..scheduler import FixedLengthPolicy
+from ..training.data import chat_prompt_ids
+from .environment import capture_environment
+from .prompt_sets import DATASETS, load_eval_prompts
+from .summary import merge_stats
 
 
 @torch.no_grad()
 def measure_acceptance(target, tokenizer, draft: DSparkDraftModel, prompts: list[str], *, do_sample: bool,
                        max_new_tokens: int = 256, seed: int = 0, desc: str = "") -> dict:
     """tau, verify efficiency and per-position conditional acceptance over ``prompts``, full block verified."""
-    from .data import chat_prompt_ids
-
     draft.verify_policy = FixedLengthPolicy(draft.config.block_size)
     collected, tokens, start = [], 0, time.perf_counter()
     for i, prompt in enumerate(tqdm(prompts, desc=desc or "prompts", leave=False)):
@@ -112,15 +76,13 @@ def tau_table(result_files: list[str | Path], first: str = "smollm2-135m-dspark"
 
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
-        import sys
-
         argv = sys.argv[1:]
-    if argv[:1] == ["--table"]:  # python -m dspark_hf.evaluation --table results/tau_*.json
+    if argv[:1] == ["--table"]:  # python -m dspark_hf.benchmarks.evaluation --table results/tau_*.json
         print(tau_table(argv[1:]), end="")
         return
-    from .smollm2 import load_smollm2
+    from ..training.smollm2 import load_smollm2
 
-    parser = argparse.ArgumentParser(prog="python -m dspark_hf.evaluation", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dspark_hf.benchmarks.evaluation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafts", nargs="+", required=True)
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
@@ -133,10 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_smollm2()
-    results = {"environment": {"machine": platform.machine(), "processor": platform.processor(),
-                               "threads": torch.get_num_threads(), "torch": torch.__version__,
-                               "date": time.strftime("%Y-%m-%d")},
-               "settings": vars(args), "results": {}}
+    results = {"environment": capture_environment(), "settings": vars(args), "results": {}}
     for draft_path in args.drafts:
         draft = DSparkDraftModel.from_pretrained(draft_path).float().eval()
         for mode in args.modes:  # greedy over every dataset first: partial runs still compare datasets

@@ -9,10 +9,10 @@ draft>`` uses that draft instead.
 
 This file is only an entry point: the implementation is the installed ``dspark_hf`` package
 (``pip install dspark-hf``, listed in ``requirements.txt``), see
-``dspark_hf.hub.run_custom_generate``. Nothing runs at import beyond that import.
+``dspark_hf.custom_generate.run_custom_generate``. Nothing runs at import beyond that import.
 """
 
-from dspark_hf.hub import run_custom_generate
+from dspark_hf.custom_generate import run_custom_generate
 
 
 def generate(model, *args, **kwargs):

@@ -19,8 +19,8 @@ import argparse
 
 import torch
 
-from .cpu_fast_path import optimize_for_cpu
-from .scheduler import default_cache_dir, profile_sps, sps_cache_key
+from ..cpu_fast_path import optimize_for_cpu
+from ..scheduler import default_cache_dir, profile_sps, sps_cache_key
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     else:
-        from .smollm2 import load_smollm2
+        from ..training.smollm2 import load_smollm2
 
         target, _ = load_smollm2()
     if not args.no_fast_path:

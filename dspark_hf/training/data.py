@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -123,6 +123,15 @@ def sharegpt_reference_answers(
     return out_path
 
 
+def trim_after_eos(tokens: list[int], eos_ids: Iterable[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS (all of them when there is none)."""
+    eos_ids = set(eos_ids)
+    for position, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: position + 1]
+    return tokens
+
+
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of a one-turn chat with the generation prompt appended."""
     encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -171,9 +180,7 @@ def generate_answers(
                     temperature=1.0, top_k=None, top_p=None, pad_token_id=pad_id,
                 )
                 for row, (index, ids) in enumerate(batch):
-                    answer = output[row, width:].tolist()
-                    if tokenizer.eos_token_id in answer:
-                        answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
+                    answer = trim_after_eos(output[row, width:].tolist(), [tokenizer.eos_token_id])
                     out.write(json.dumps({"index": index, "mode": mode, "prompt_ids": ids, "answer_ids": answer}) + "\n")
                 out.flush()
                 progress.update(len(batch))
@@ -187,4 +194,4 @@ def load_corpus(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "chat_prompt_ids", "generate_answers", "load_corpus"]
+__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "chat_prompt_ids", "generate_answers", "load_corpus", "trim_after_eos"]

@@ -1,7 +1,7 @@
 """Training DSpark / DFlash drafts for any transformers causal LM (paper section 3.3).
 
 Recipe: the target is frozen; the draft shares (and freezes) the target's embedding and LM head.
-Each training sequence (a prompt answered by the target itself, see :mod:`dspark_hf.data`)
+Each training sequence (a prompt answered by the target itself, see :mod:`dspark_hf.training.data`)
 contributes random anchors; an anchor ``a`` forms the block ``[x_a, MASK * (gamma-1)]`` at
 positions ``a..a+gamma-1`` whose outputs predict ``x_{a+1}..x_{a+gamma}``. A block attends to the
 target features of the context strictly before its anchor and to its own tokens; many blocks of
@@ -17,12 +17,12 @@ Target features (the hidden states of ``target_layer_ids`` and the final hidden 
 
 Runs under accelerate (one CPU here, several GPUs elsewhere), with a progress bar, periodic
 checkpoints, ``--resume`` and a JSONL log of the loss terms and per-position accuracy.
-CLI: ``python -m dspark_hf.training --help``.
+The command line is :mod:`dspark_hf.training.train_cli` (``python -m dspark_hf.training --help``).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import time
@@ -35,21 +35,31 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
+from ..configuration_dspark import DSparkConfig
+from ..modeling_dspark import DSparkDraftModel
 
 logger = logging.get_logger(__name__)
 
 
+def _draft_default(field_name: str):
+    """The default of a :class:`DSparkConfig` field: a draft's architecture has one source of defaults."""
+    return next(f.default for f in dataclasses.fields(DSparkConfig) if f.name == field_name)
+
+
 @dataclass
 class TrainingConfig:
-    """Everything that defines a training run (saved as ``training_config.json``)."""
+    """Everything that defines a training run (saved as ``training_config.json``).
 
-    block_size: int = 7
-    num_hidden_layers: int = 1
-    markov_rank: int = 64
-    markov_head_type: str = "vanilla"
-    confidence_head: bool = True
-    confidence_head_with_markov: bool = True
+    The draft's architecture fields default to :class:`~dspark_hf.DSparkConfig`'s defaults
+    (``markov_rank`` 256, for one); the shipped drafts' training commands give theirs explicitly.
+    """
+
+    block_size: int = _draft_default("block_size")
+    num_hidden_layers: int = _draft_default("num_hidden_layers")
+    markov_rank: int = _draft_default("markov_rank")
+    markov_head_type: str = _draft_default("markov_head_type")
+    confidence_head: bool = _draft_default("enable_confidence_head")
+    confidence_head_with_markov: bool = _draft_default("confidence_head_with_markov")
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     anchors_per_sequence: int = 16
@@ -246,6 +256,7 @@ def make_draft(target: PreTrainedModel, cfg: TrainingConfig) -> DSparkDraftModel
         confidence_head_with_markov=cfg.confidence_head_with_markov, mask_token_id=cfg.mask_token_id,
     )
     draft = draft.float()
+    draft.config.num_anchors = cfg.anchors_per_sequence  # DeepSpec's field records what training used
     if cfg.init_from_draft:
         init_from_saved_draft(draft, cfg.init_from_draft)
     elif cfg.init_from_target:
@@ -380,114 +391,3 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
     draft.eval()
     unwrapped.save_pretrained(output_dir)
     return unwrapped
-
-
-# --------------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def collect_confidences(draft: DSparkDraftModel, target_head, items: list[dict], anchors_per_sequence: int = 32,
-                        seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Teacher-forced held-out statistics: (confidence logits, acceptance 1 - TV/2, argmax match), each (N, gamma)."""
-    generator = torch.Generator().manual_seed(seed)
-    conf, accept, match = [], [], []
-    gamma = draft.config.block_size
-    for item in items:
-        anchors = sample_anchors(item["ids"].numel(), item["answer_start"], anchors_per_sequence, gamma, generator)
-        if anchors.numel() == 0:
-            continue
-        base, hidden, previous, labels = draft_block_outputs(draft, item, anchors)
-        logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
-        final = item["final"].to(hidden.device, torch.float32)
-        positions = anchors[:, None] + torch.arange(gamma) + 1
-        p_target = torch.softmax(target_head(final[positions - 1]).float(), -1)
-        p_draft = torch.softmax(logits.float(), -1)
-        accept.append(1 - 0.5 * (p_draft - p_target).abs().sum(-1))
-        match.append((logits.argmax(-1) == p_target.argmax(-1)).float())
-        if confidence is not None:
-            conf.append(confidence.float())
-    return (torch.cat(conf) if conf else None), torch.cat(accept), torch.cat(match)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """CLI: data (ShareGPT prompts answered by SmolLM2) -> target features -> training -> STS -> save."""
-    from .calibration import calibrate_draft
-    from .data import generate_answers, load_corpus, sharegpt_prompts, sharegpt_reference_answers
-    from .datagen import load_onpolicy_corpus, load_plan
-    from .scheduler import default_cache_dir
-    from .smollm2 import load_smollm2, mask_token_id
-
-    parser = argparse.ArgumentParser(prog="python -m dspark_hf.training", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", help="draft output folder")
-    parser.add_argument("--corpus", default=None,
-                        help="JSONL corpus (default: <cache>/data/sharegpt_smollm2.jsonl), or a folder made by "
-                             "`python -m dspark_hf.datagen` (its finished shards are used as they are)")
-    parser.add_argument("--max-sequences", type=int, default=None,
-                        help="use only the first N records of a datagen folder (the feature cache holds ~4.6 KB "
-                             "per token for SmolLM2)")
-    parser.add_argument("--num-prompts", type=int, default=320)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--reference-answers", type=int, default=0,
-                        help="add this many ShareGPT conversations with their original answers (no generation)")
-    parser.add_argument("--markov-rank", type=int, default=64)
-    parser.add_argument("--no-confidence-head", action="store_true")
-    parser.add_argument("--max-steps", type=int, default=800)
-    parser.add_argument("--learning-rate", type=float, default=TrainingConfig.learning_rate)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--init-from-draft", default=None,
-                        help="warm start from a saved draft folder with the same architecture")
-    parser.add_argument("--save-every", type=int, default=TrainingConfig.save_every)
-    parser.add_argument("--prepare-only", action="store_true", help="only build the corpus and the feature cache")
-    parser.add_argument("--fp16", action="store_true", help="save the draft in fp16")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not args.prepare_only and not args.output:
-        parser.error("--output is required unless --prepare-only")
-
-    target, tokenizer = load_smollm2()
-    corpus = Path(args.corpus) if args.corpus else default_cache_dir() / "data" / "sharegpt_smollm2.jsonl"
-    if corpus.is_dir():  # on-policy shards from dspark_hf.datagen; nothing to generate here
-        records = load_onpolicy_corpus(corpus)[: args.max_sequences]
-        prompts = [p["text"] for p in load_plan(corpus) if p["source"] == "sharegpt"]
-        tag = f"n{len(records)}"
-        logger.warning(f"Training corpus: {len(records)} records of {corpus}")
-        # features live in the cache, not next to the shards (they are ~1000x larger)
-        corpus = default_cache_dir() / "data" / f"{corpus.resolve().name}.jsonl"
-    else:
-        prompts = sharegpt_prompts(limit=args.num_prompts)
-        generate_answers(target, tokenizer, prompts, corpus, max_new_tokens=args.max_new_tokens, batch_size=32)
-        records = sorted((r for r in load_corpus(corpus) if r["index"] < args.num_prompts), key=lambda r: r["index"])
-        tag = f"n{args.num_prompts}"
-    if args.reference_answers:
-        reference = corpus.with_name(f"sharegpt_reference.n{args.reference_answers}.jsonl")
-        sharegpt_reference_answers(tokenizer, args.reference_answers, reference, exclude_prompts=set(prompts),
-                                   max_answer_tokens=args.max_new_tokens)
-        records += load_corpus(reference)  # after the target's own answers: the held-out split stays on-policy
-        tag += f".ref{args.reference_answers}"
-    cfg = TrainingConfig(markov_rank=args.markov_rank, max_steps=args.max_steps, learning_rate=args.learning_rate,
-                         confidence_head=not args.no_confidence_head,
-                         confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
-                         mask_token_id=mask_token_id(tokenizer), init_from_draft=args.init_from_draft,
-                         save_every=args.save_every)
-    cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
-    tokens = sum(min(len(r["prompt_ids"]) + len(r["answer_ids"]), cfg.max_seq_len) for r in records)
-    feature_gb = tokens * (len(cfg.target_layer_ids) + 1) * target.config.hidden_size * 2 / 1e9
-    logger.warning(f"Feature cache: {len(records)} sequences, {tokens} tokens, ~{feature_gb:.1f} GB, held in memory "
-                   "while training (--max-sequences caps it).")
-    feature_path = corpus.with_name(f"{corpus.stem}.{tag}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
-    items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len)
-    if args.prepare_only:
-        return
-    held_out, train_items = items[: cfg.held_out_sequences], items[cfg.held_out_sequences :]
-    draft = train(target, train_items, cfg, args.output, resume=args.resume)
-    if draft.confidence_head is not None:
-        report = calibrate_draft(draft, target, held_out, Path(args.output))
-        logger.warning(f"Calibration: ECE before {report['ece_before']}, after {report['ece_after']}")
-    if args.fp16:
-        draft.half()
-    draft.save_pretrained(args.output)
-
-
-if __name__ == "__main__":
-    main()

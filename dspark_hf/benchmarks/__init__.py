@@ -1,0 +1,15 @@
+"""Benchmark tooling: how fast and how well DSpark drafts on real prompts.
+
+* :mod:`~dspark_hf.benchmarks.bench_cli`: ``dspark-hf bench``, built from
+  :mod:`~dspark_hf.benchmarks.runner` (methods, interleaved runs),
+  :mod:`~dspark_hf.benchmarks.batch_sweep` (batch sizes), :mod:`~dspark_hf.benchmarks.summary`
+  (metrics, tables) and :mod:`~dspark_hf.benchmarks.plots`;
+* :mod:`~dspark_hf.benchmarks.evaluation`: accepted length tau and per-position acceptance
+  (``python -m dspark_hf.benchmarks.evaluation``, ``dspark-hf evaluate``);
+* :mod:`~dspark_hf.benchmarks.profile_cli`: ``dspark-hf profile``, the target's step-rate curve;
+* :mod:`~dspark_hf.benchmarks.prompt_sets` and ``eval_prompts/``: the shipped prompt sets;
+* :mod:`~dspark_hf.benchmarks.shipped_drafts`: where the repository's SmolLM2 drafts are;
+* :mod:`~dspark_hf.benchmarks.environment`: the environment record stored with every result.
+
+Nothing is imported here, so ``python -m dspark_hf.benchmarks.<module>`` runs each module once.
+"""

@@ -1,0 +1,32 @@
+"""Hub tooling: writing drafts in a loadable layout, uploading them, and their model cards.
+
+* :mod:`dspark_hf.hub.draft_export`: :func:`export` (Hub-ready transformers folder or DeepSpec
+  folder) and :func:`push_to_hub`;
+* :mod:`dspark_hf.hub.model_card`: :func:`render_model_card`;
+* ``dspark_hf/hub/templates/``: the remote-code, ``custom_generate`` and model-card templates.
+
+The run-time side of the Hub lives with the decoding path: auto-class registration in
+:mod:`dspark_hf.auto_classes`, layout detection in :mod:`dspark_hf.checkpoint_formats` and the
+``custom_generate`` entry point in :mod:`dspark_hf.custom_generate`. They are re-exported here
+because drafts already on the Hub run ``from dspark_hf.hub import run_custom_generate``.
+"""
+
+from ..auto_classes import register_auto_classes
+from ..checkpoint_formats import checkpoint_format
+from ..custom_generate import last_custom_generate_draft, locate_custom_generate_source, run_custom_generate
+from .draft_export import AUTO_MAP, DEEPSPEC_FIELDS, FORMATS, export, push_to_hub
+from .model_card import render_model_card
+
+__all__ = [
+    "AUTO_MAP",
+    "DEEPSPEC_FIELDS",
+    "FORMATS",
+    "checkpoint_format",
+    "export",
+    "last_custom_generate_draft",
+    "locate_custom_generate_source",
+    "push_to_hub",
+    "register_auto_classes",
+    "render_model_card",
+    "run_custom_generate",
+]

@@ -1,0 +1,195 @@
+"""Model cards (``README.md``) for exported DSpark drafts.
+
+:func:`render_model_card` reads the facts of a draft folder written by :func:`dspark_hf.hub.export`
+(``config.json`` and the safetensors headers), adds measured accepted lengths when given (never
+estimated ones) and fills the templates in ``dspark_hf/hub/templates/`` (``model_card.md`` with
+``card_usage_hf.md`` or ``card_usage_deepspec.md``). ``model_cards/render_card.py`` is its command
+line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import string
+from pathlib import Path
+
+from ..checkpoint_formats import checkpoint_format
+from .template_files import read_template
+
+CARD_TAGS = ["dspark", "speculative-decoding", "draft-model", "dflash"]
+
+
+def _read_folder_facts(folder: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """``config.json`` and the weight shapes (from the safetensors headers) of a draft folder."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as handle:
+            for key in handle.keys():
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return config, shapes
+
+
+def _check_measured(measured: dict) -> None:
+    if not isinstance(measured, dict) or not isinstance(measured.get("setup"), str) or not measured["setup"].strip():
+        raise ValueError("measured needs a non-empty 'setup' string (hardware, dtype, temperature, prompts, lengths).")
+    results = measured.get("results")
+    if not isinstance(results, dict) or not results:
+        raise ValueError("measured needs 'results': {method: {benchmark: tau}} with at least one method.")
+    for method, row in results.items():
+        if not isinstance(row, dict) or not row:
+            raise ValueError(f"measured['results'][{method!r}] must be a non-empty {{benchmark: tau}} dict.")
+        for bench, value in row.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(
+                    f"measured['results'][{method!r}][{bench!r}] = {value!r} is not a measured number; "
+                    "leave a benchmark out rather than filling it in."
+                )
+
+
+def _tau_table(measured: dict | None) -> str:
+    if measured is None:
+        return (
+            "_Not measured yet._ This section is filled from benchmark runs "
+            "(`render_model_card(folder, measured=...)`); numbers are never estimated."
+        )
+    _check_measured(measured)
+    results = measured["results"]
+    benchmarks = list(measured.get("benchmarks") or [])
+    for row in results.values():
+        benchmarks += [b for b in row if b not in benchmarks]
+    lines = [
+        "| method | " + " | ".join(benchmarks) + " |",
+        "|---|" + "---:|" * len(benchmarks),
+    ]
+    for method, row in results.items():
+        cells = [f"{row[b]:.2f}" if b in row else "–" for b in benchmarks]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + f"\n\nSetup: {measured['setup'].strip()}"
+    if measured.get("source"):
+        text += f"\n\nSource: {measured['source']}"
+    return text
+
+
+def _training_section(training: dict | None) -> str:
+    if not training:
+        return "_Training details for this draft are not recorded here._"
+    return "\n".join(f"- **{key}**: {value}" for key, value in training.items())
+
+
+def render_model_card(
+    draft_folder: str | os.PathLike,
+    measured: dict | None = None,
+    *,
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    training: dict | None = None,
+    license: str = "apache-2.0",
+    template: str | os.PathLike | None = None,
+) -> str:
+    """A ``README.md`` model card for an exported draft folder (``"hf"`` or ``"deepspec"`` layout).
+
+    Facts (layers, block size, heads, target layers, parameters, dtype) are read from the folder's
+    ``config.json`` and safetensors headers. Hub metadata: ``license``, ``library_name:
+    transformers``, ``base_model`` (when given), ``pipeline_tag: text-generation``, ``tags``.
+
+    Args:
+        measured: measured accepted lengths, or ``None`` for a "not measured yet" section. Shape:
+            ``{"setup": "<hardware, dtype, temperature, prompts, lengths>", "results": {method:
+            {benchmark: tau}}, "benchmarks": [column order] (optional), "source": "<where the numbers
+            come from>" (optional)}``. Values must be real numbers; a missing benchmark is left out.
+        base_model: the target's Hub id.
+        repo_id: the draft's Hub id, used in the snippets (a placeholder when ``None``).
+        training: facts of this draft's training run (rendered as a list), or ``None``.
+        template: another card template (``string.Template`` syntax, same placeholders).
+    """
+    from huggingface_hub import ModelCardData
+
+    folder = Path(draft_folder)
+    config, shapes = _read_folder_facts(folder)
+    fmt = checkpoint_format(config)
+    if fmt not in ("dspark", "deepspec"):
+        raise ValueError(f"{folder} is not a DSpark draft folder written by dspark_hf.hub.export (format {fmt}).")
+    layout = "deepspec" if fmt == "deepspec" else "hf"
+    markov_rank = int(config.get("markov_rank", 0))
+    confidence = bool(config.get("enable_confidence_head", False))
+    anchor_predicts = bool(config.get("anchor_predicts", True))
+    method = "DSpark" if markov_rank > 0 or confidence else "DFlash"
+    tags = list(CARD_TAGS) + (["custom_generate"] if layout == "hf" else ["deepspec"])
+    metadata = ModelCardData(
+        license=license,
+        library_name="transformers",
+        base_model=base_model,
+        pipeline_tag="text-generation",
+        tags=tags,
+    ).to_yaml()
+    block_size = int(config["block_size"])
+    own_embeddings = "embed_tokens.weight" in shapes and "lm_head.weight" in shapes
+    params = sum(math.prod(shape) for shape in shapes.values())
+    facts = [
+        ("Layout", "transformers (`model_type: dspark`, remote code)" if layout == "hf"
+         else "DeepSpec (`model_type: qwen3`, `Qwen3DSparkModel`)"),
+        ("Draft layers", config.get("num_hidden_layers")),
+        ("Hidden size / vocabulary", f"{config.get('hidden_size')} / {config.get('vocab_size')}"),
+        ("Draft tokens per round (`block_size`)", block_size),
+        ("Drafted positions", "anchor + masks (DSpark)" if anchor_predicts else "mask positions (z-lab DFlash)"),
+        ("Serial head", f"Markov, {config.get('markov_head_type')}, rank {markov_rank}" if markov_rank
+         else "none (DFlash)"),
+        ("Confidence head", ("yes" + (", calibrated" if config.get("confidence_temperatures") else ", uncalibrated"))
+         if confidence else "no (the whole block is verified)"),
+        ("Target layers read", f"{config.get('target_layer_ids')} of {config.get('num_target_layers')}"),
+        ("Mask token id", config.get("mask_token_id")),
+        ("Embedding / LM head", "stored (copies of the target's)" if own_embeddings else "borrowed from the target"),
+        ("Parameters stored", f"{params:,}"),
+        ("Weights dtype", config.get("dtype") or config.get("torch_dtype")),
+    ]
+    if method == "DSpark":
+        recipe = (
+            "Method (DSpark paper, section 3.3): the target is frozen and the draft shares its embedding and LM "
+            "head. Random anchors per sequence form blocks of `block_size` positions; the loss is 0.1 · cross-entropy "
+            "+ 0.9 · total variation against the target's distribution + 1.0 · binary cross-entropy of the confidence "
+            "head against `1 - ½‖p_draft − p_target‖₁`, each position weighted by `exp(−(k−1)/block_size)`. "
+            "Confidences may then be calibrated by Sequential Temperature Scaling."
+        )
+    else:
+        recipe = "This draft has no serial head and no confidence head; see the DFlash paper (arXiv:2602.06036) for its recipe."
+    if method == "DSpark":
+        description = (
+            "DSpark adds to the DFlash parallel draft a light serial sampling loop (a low-rank Markov bias "
+            "from the token just drawn) and a confidence head whose per-position acceptance estimates let a "
+            "profiled scheduler verify only the prefix of the block that pays off on the running hardware."
+        )
+    else:
+        description = "A DFlash parallel draft: one forward drafts the whole block, which the target verifies in full."
+    shown_base = base_model or "<target-model-id>"
+    values = {
+        "metadata": metadata.strip(),
+        "title": f"{repo_id.split('/')[-1] if repo_id else folder.name}: {method} draft"
+        + (f" for {base_model}" if base_model else ""),
+        "method": method,
+        "method_description": description,
+        "base_model": shown_base,
+        "base_model_ref": f"[`{base_model}`](https://huggingface.co/{base_model})" if base_model
+        else "its target model (not recorded in this card)",
+        "repo_id": repo_id or "<org>/<this-draft-repo>",
+        "block_size": block_size,
+        "facts_table": "\n".join(f"| {k} | {v} |" for k, v in facts),
+        "training": _training_section(training),
+        "method_recipe": recipe,
+        "tau_table": _tau_table(measured),
+    }
+    usage = string.Template(read_template(f"card_usage_{layout}.md")).substitute(values)
+    text = Path(template).read_text(encoding="utf-8") if template is not None else read_template("model_card.md")
+    return string.Template(text).substitute(values, usage=usage.strip())
+
+
+__all__ = ["CARD_TAGS", "render_model_card"]
