@@ -125,7 +125,9 @@ def _generate(target, stock_target, method: BenchMethod, drafts, ids, mode, max_
                   temperature=1.0, top_k=None, top_p=None)
     if method.kind == "dspark":
         draft = drafts[method.draft]
-        draft.verify_policy = _policy(method)
+        policy = _policy(method)
+        if policy is not None:
+            kwargs["dspark_verify_policy"] = policy
         kwargs["assistant_model"] = draft
         if not method.lookup:
             kwargs["prompt_lookup_num_tokens"] = 0
@@ -191,7 +193,7 @@ def run_benchmark(
                         record.new_tokens = out.shape[1] - ids.shape[1]
                         outputs[method.name] = out[0].tolist()
                         if method.kind == "dspark":
-                            stats = drafts[method.draft].generation_stats
+                            stats = drafts[method.draft].last_generation_stats
                             record.rounds = list(stats.rounds)
                             record.prefill_seconds = stats.prefill_time
                     records.append(record)
@@ -228,7 +230,6 @@ def run_batch_sweep(
     round, and whether every DSpark row equals the batched target's row."""
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    draft.verify_policy = None
     # One profile covering the largest batch; the smaller batches' tables are read from it.
     shared_cost_model(target, progress=progress)  # profiled once; larger batches extrapolate and learn live
     results = []
@@ -251,7 +252,7 @@ def run_batch_sweep(
 
         def batched_dspark():
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, **common)
-            stats = draft.generation_stats
+            stats = draft.last_generation_stats
             row["mean_verified_per_row_round"] = stats.verified_tokens / max(stats.num_rounds, 1)
             row["tau_per_row"] = stats.mean_accepted_length
             return out
