@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
         for factor in order:
             _shared_cost_models.clear()  # a fresh process: the cost model starts from the cached file
             cost_model = shared_cost_model(target, cache_dir=root / f"x{factor:g}")
-            draft.verify_policy = PrefixScheduler(cost_model=cost_model, max_tokens=block + 1)
+            draft.generation_config.dspark_verify_policy = PrefixScheduler(cost_model=cost_model, max_tokens=block + 1)
             start = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                                   do_sample=False, assistant_model=draft)

@@ -50,9 +50,10 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingC
 
 from transformers.utils import logging
 
-from .candidate_generator import DSparkGenerationStats, RoundStats, resolve_drafting_gate, resolve_verify_policy
+from .candidate_generator import DSparkGenerationStats, RoundStats
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
+from .settings import record_generation_stats, resolve_settings
 from .stopping import first_stops, positional_criteria
 
 logger = logging.get_logger(__name__)
@@ -187,11 +188,11 @@ def batched_dspark_generate(
     max_new = generation_config.max_length - prompt_len
     if max_new < 1:
         raise ValueError(f"max_length {generation_config.max_length} leaves no room after the {prompt_len}-token prompt.")
-    policy = resolve_verify_policy(draft, target, num_rows)
-    gate = resolve_drafting_gate(draft, policy)
+    settings = resolve_settings(draft, target, generation_config, num_rows)  # this call's, never the draft's
+    policy, gate = settings.policy, settings.gate
     layer_indices = [i + 1 for i in draft.config.target_layer_ids]
     stats = DSparkGenerationStats(block_size=gamma)
-    draft.generation_stats = stats
+    record_generation_stats(draft, stats)
     warned_non_finite = False
 
     def process(scores: torch.Tensor) -> torch.Tensor:  # sequence-free processors: rows are independent
@@ -258,7 +259,7 @@ def batched_dspark_generate(
         active = len(rows)
         round_start = time.perf_counter()
         anchors = torch.tensor([generated[r][-1] for r in rows], device=device)
-        budgets = [min(gamma, max_new - len(generated[r]) - 1) for r in rows]
+        budgets = [min(settings.max_draft_tokens, max_new - len(generated[r]) - 1) for r in rows]
         drafting = max(budgets) > 0 and (gate is None or gate.should_draft())
         lengths = [0] * active
         draft_time = serial_time = schedule_time = 0.0

@@ -17,7 +17,6 @@ The first call returns no candidates so that transformers' prefill yields the pr
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,10 +27,11 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
-from .context_lookup import ContextLookup, SourceChooser
+from .context_lookup import SourceChooser
 from .modeling_dspark import DSparkDraftModel
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
-from .scheduler import DraftingGate, FixedLengthPolicy, PrefixScheduler, VerifyPolicy, shared_cost_model
+from .scheduler import PrefixScheduler, VerifyPolicy, shared_cost_model
+from .settings import record_generation_stats, resolve_settings
 
 logger = logging.get_logger(__name__)
 
@@ -60,7 +60,8 @@ class RoundStats:
 
 @dataclass
 class DSparkGenerationStats:
-    """Per-round statistics of one ``generate`` call, available as ``draft.generation_stats``.
+    """Per-round statistics of one ``generate`` call, available as ``draft.last_generation_stats``
+    (in the thread that made the call) and as the candidate generator's ``stats``.
 
     ``verify_time`` spans from the return of ``get_candidates`` to the next call into the generator,
     so it holds the target forward plus transformers' acceptance and bookkeeping.
@@ -150,85 +151,6 @@ class DSparkGenerationStats:
         }
 
 
-def resolve_drafting_gate(draft: DSparkDraftModel, policy: VerifyPolicy) -> DraftingGate | None:
-    """A fresh gate for this call from ``draft.adaptive_drafting``: None (default) turns it on for
-    the confidence-driven policies (scheduler, threshold) and off for fixed lengths; True/False
-    force it; a :class:`DraftingGate` instance is copied (its settings, fresh history)."""
-    choice = getattr(draft, "adaptive_drafting", None)
-    if isinstance(choice, DraftingGate):
-        return copy.deepcopy(choice)
-    if choice is None:
-        choice = bool(getattr(policy, "requires_confidences", False))
-    elif not isinstance(choice, bool):
-        raise ValueError(f"draft.adaptive_drafting must be None, True, False or a DraftingGate, got {choice!r}.")
-    return DraftingGate() if choice else None
-
-
-def resolve_verify_policy(draft: DSparkDraftModel, target: PreTrainedModel, num_rows: int = 1):
-    """The draft's ``verify_policy``, or the default: with a confidence head, a scheduler on the
-    target's live cost model (:func:`~dspark_hf.scheduler.shared_cost_model`: a profiled prior,
-    one per target and process, corrected by every round's verify time) for up to
-    ``num_rows * (gamma + 1)`` tokens; without one (DFlash), the full block."""
-    policy = draft.verify_policy
-    if policy is not None and not isinstance(policy, VerifyPolicy):
-        raise ValueError(_not_a_policy_message(policy))
-    has_confidence = draft.confidence_head is not None
-    if policy is None:
-        if not has_confidence:
-            return FixedLengthPolicy(draft.config.block_size)
-        return PrefixScheduler(cost_model=shared_cost_model(target),
-                               max_tokens=num_rows * (draft.config.block_size + 1))
-    if getattr(policy, "requires_confidences", False) and not has_confidence:
-        raise ValueError(
-            f"verify_policy {type(policy).__name__} needs confidences, but this draft has no confidence head "
-            "(a DFlash draft). Use FixedLengthPolicy or leave verify_policy=None."
-        )
-    return policy
-
-
-DEFAULT_LOOKUP_TOKENS = 10
-DEFAULT_LOOKUP_NGRAM = 3
-
-
-def resolve_context_lookup(draft: DSparkDraftModel, generation_config: GenerationConfig,
-                           policy: VerifyPolicy) -> ContextLookup | None:
-    """The call's context lookup (see :mod:`dspark_hf.context_lookup`), from transformers' own
-    prompt-lookup settings: ``prompt_lookup_num_tokens`` (the longest proposal; 0 turns lookup off)
-    and ``max_matching_ngram_size``, read from the call, else the draft's ``generation_config``.
-    When neither sets it, lookup is on (10 tokens, 3-grams) with the default scheduler, whose live
-    cost model values both sources, and off with fixed-length and threshold policies."""
-    def setting(name: str):
-        value = getattr(generation_config, name, None)
-        if value is None:
-            value = getattr(getattr(draft, "generation_config", None), name, None)
-        return value
-
-    num_tokens, ngram = setting("prompt_lookup_num_tokens"), setting("max_matching_ngram_size")
-    if num_tokens is None:
-        if not isinstance(policy, PrefixScheduler) or policy.cost_model is None:
-            return None
-        num_tokens = DEFAULT_LOOKUP_TOKENS
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"prompt_lookup_num_tokens must be an integer >= 0 (0 turns context lookup off), got {num_tokens!r}.")
-    if num_tokens == 0:
-        return None
-    return ContextLookup(max_tokens=num_tokens, max_ngram=DEFAULT_LOOKUP_NGRAM if ngram is None else ngram)
-
-
-def _not_a_policy_message(policy: Any) -> str:
-    if isinstance(policy, type):
-        hint = f" That is the class {policy.__name__}; set an instance, e.g. {policy.__name__}(...)."
-    elif isinstance(policy, int) and not isinstance(policy, bool) and policy >= 0:
-        hint = f" For {policy} draft tokens every round, set FixedLengthPolicy({policy})."
-    else:
-        hint = ""
-    return (
-        f"draft.verify_policy must be None (the default) or a VerifyPolicy instance from dspark_hf "
-        f"(FixedLengthPolicy(n), ThresholdPolicy(t), PrefixScheduler(sps) or a VerifyPolicy subclass), "
-        f"got {policy!r} ({type(policy).__name__}).{hint}"
-    )
-
-
 class DSparkCandidateGenerator(CandidateGenerator):
     """Candidate generator for DSpark/DFlash drafts (``requires_model_outputs``).
 
@@ -267,10 +189,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # selection would replace it and break transformers' output splitting.
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate
         self.model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True if wants_all else self.layer_indices}
-        self.policy = resolve_verify_policy(draft, target)
-        self.gate = resolve_drafting_gate(draft, self.policy)
-        lookup = resolve_context_lookup(draft, generation_config, self.policy)
-        self.chooser = SourceChooser(lookup) if lookup is not None else None
+        # This call's settings (draft generation_config, overridden by the call); all per-call state
+        # lives on this object, never on the draft, so concurrent calls with one draft stay apart.
+        settings = resolve_settings(draft, target, generation_config)
+        self.policy, self.gate, self.max_draft_tokens = settings.policy, settings.gate, settings.max_draft_tokens
+        self.chooser = SourceChooser(settings.lookup) if settings.lookup is not None else None
         # Policies with the incremental form decide inside the serial loop (a user policy may only have admit()).
         self.incremental = type(self.policy).start_round is not VerifyPolicy.start_round
         self.cache = draft.new_cache()
@@ -280,7 +203,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                                     device=self.device)
         self.block_offsets = torch.arange(self.block_size, device=self.device)
         self.stats = DSparkGenerationStats(block_size=self.block_size)
-        draft.generation_stats = self.stats
+        record_generation_stats(draft, self.stats)
         self._pending: dict[str, float] | None = None
         self._prompt_has_padding = False
         self._round_start = 0.0
@@ -343,7 +266,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.stats.prefill_time = self._round_start - self._prefill_start
             self._prefill_start = None
         self._ingest_context(input_ids, model_kwargs or {}, model_outputs)
-        budget = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        budget = min(self.max_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         if self.chooser is not None:
             lookup = self._propose_lookup(input_ids)
             if lookup is not None:
@@ -481,5 +404,4 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._pending = None
 
 
-__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats", "resolve_drafting_gate",
-           "resolve_verify_policy"]
+__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats"]

@@ -145,7 +145,7 @@ def run_custom_generate(model: PreTrainedModel, *args, _custom_generate_file=Non
 
 
 def last_custom_generate_draft() -> DSparkDraftModel | None:
-    """The draft the latest ``custom_generate`` call used (its ``generation_stats`` hold that call's rounds)."""
+    """The draft the latest ``custom_generate`` call used (its ``last_generation_stats`` hold that call's rounds)."""
     return _LAST_DRAFT[0] if _LAST_DRAFT else None
 
 

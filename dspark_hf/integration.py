@@ -19,6 +19,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 
 from .configuration_dspark import is_dspark_config
+from .settings import dspark_kwargs_of_call, mark_call_settings
 from .stopping import DeferredStreamer, ExactStopping, cut_output, positional_criteria
 
 _EXPECTED_PARAMETERS = (
@@ -45,6 +46,9 @@ def _check_transformers_api() -> None:
             problems.append(f"_get_candidate_generator lacks parameters {missing}")
     if not hasattr(CandidateGenerator, "requires_model_outputs"):
         problems.append("CandidateGenerator.requires_model_outputs is missing")
+    prepare = getattr(GenerationMixin, "_prepare_generation_config", None)
+    if prepare is None or "generation_config" not in inspect.signature(prepare).parameters:
+        problems.append("GenerationMixin._prepare_generation_config(generation_config, **kwargs) changed")
     if not hasattr(GenerationMixin, "_assisted_decoding"):
         problems.append("GenerationMixin._assisted_decoding is gone")
     validate = getattr(GenerationMixin, "_validate_generation_mode", None)
@@ -94,7 +98,10 @@ def _check_inputs_embeds(input_ids, model_kwargs: dict) -> None:
 def install_dspark_dispatch() -> None:
     """Installs the DSpark dispatch into transformers' generation (idempotent; run on import).
 
-    Three private methods of ``GenerationMixin`` are wrapped: ``_validate_generation_mode`` (so a
+    Four private methods of ``GenerationMixin`` are wrapped: ``_prepare_generation_config`` (DSpark's
+    ``generate()`` settings, e.g. ``dspark_verify_policy``, go onto the call's generation config, and
+    which assisted-generation fields the call set explicitly is recorded, see
+    :mod:`dspark_hf.settings`), ``_validate_generation_mode`` (so a
     mismatched draft fails with DSpark's own message before transformers' generic tokenizer check),
     ``_get_candidate_generator`` (to build :class:`DSparkCandidateGenerator`) and
     ``_assisted_decoding`` (a DSpark draft with batch size > 1 runs
@@ -107,10 +114,25 @@ def install_dspark_dispatch() -> None:
     _check_transformers_api()
     original = GenerationMixin._get_candidate_generator
     original_validate = GenerationMixin._validate_generation_mode
+    original_prepare = GenerationMixin._prepare_generation_config
+
+    @functools.wraps(original_prepare)
+    def _prepare_generation_config(self, generation_config=None, **kwargs):
+        # DSpark's settings are not GenerationConfig fields: transformers would pass them to the model.
+        dspark_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("dspark_")}
+        config, model_kwargs = original_prepare(self, generation_config, **kwargs)
+        mark_call_settings(config, dspark_kwargs, kwargs, generation_config, getattr(self, "generation_config", None))
+        return config, model_kwargs
 
     @functools.wraps(original_validate)
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs):
         draft = _as_dspark_draft(generation_mode_kwargs.get("assistant_model"))
+        passed = dspark_kwargs_of_call(generation_config)
+        if draft is None and passed:
+            raise ValueError(
+                f"{passed} are DSpark settings, but this generate() call has no DSpark draft as assistant_model. "
+                f"Pass assistant_model=<a DSparkDraftModel>, or drop {passed}."
+            )
         if draft is not None:
             if generation_mode != GenerationMode.ASSISTED_GENERATION:
                 # transformers would drop the assistant with a warning and run another mode.
@@ -198,12 +220,13 @@ def install_dspark_dispatch() -> None:
         return sequences
 
     for wrapper, wrapped in ((_get_candidate_generator, original), (_validate_generation_mode, original_validate),
-                             (_assisted_decoding, original_assisted)):
+                             (_assisted_decoding, original_assisted), (_prepare_generation_config, original_prepare)):
         setattr(wrapper, _MARKER, True)
         wrapper.__wrapped_original__ = wrapped
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._get_candidate_generator = _get_candidate_generator
     GenerationMixin._assisted_decoding = _assisted_decoding
+    GenerationMixin._prepare_generation_config = _prepare_generation_config
 
 
 def is_dspark_dispatch_installed() -> bool:

@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from transformers.utils import logging
 
 from .configuration_dspark import DSparkConfig
+from .settings import DraftRuntimeSettings
 from .targets import draft_backbone_fields
 
 logger = logging.get_logger(__name__)
@@ -243,25 +244,17 @@ class DSparkPreTrainedModel(PreTrainedModel):
         return push_to_hub(self, repo_id, **kwargs)
 
 
-class DSparkDraftModel(DSparkPreTrainedModel):
+class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
     """DSpark (or, with ``markov_rank = 0``, DFlash) draft model.
 
     Use it as ``target.generate(**inputs, assistant_model=draft)`` after ``import dspark_hf``.
     Build one with :meth:`from_pretrained` (our format or a DeepSpec checkpoint, strict key
     matching) or :meth:`from_target` (freshly initialised for any causal LM).
 
-    Runtime settings (not saved):
-        verify_policy: how many draft tokens the target verifies each round. ``None`` (default)
-            uses a :class:`~dspark_hf.scheduler.PrefixScheduler` on an SPS table profiled on first
-            use (cached on disk) when the draft has a confidence head, and the full block otherwise.
-            Set a policy object from :mod:`dspark_hf.scheduler` to choose.
-        adaptive_drafting: whether a :class:`~dspark_hf.scheduler.DraftingGate` may skip drafting
-            in rounds where recent rounds show it does not pay (output unchanged either way).
-            ``None`` (default): on with a confidence-driven policy (the scheduler, a threshold),
-            off with a fixed length; ``True``/``False`` force it; a ``DraftingGate(...)`` sets its
-            window and probing (copied for each call).
-        generation_stats: per-round statistics of the last ``generate`` call
-            (:class:`~dspark_hf.candidate_generator.DSparkGenerationStats`).
+    Run-time settings live on ``draft.generation_config`` or in the ``generate()`` call, where
+    transformers users set speculation (``dspark_verify_policy``, ``dspark_adaptive_drafting``,
+    ``num_assistant_tokens``, ``assistant_confidence_threshold``, ...; see :mod:`dspark_hf.settings`).
+    ``last_generation_stats`` holds the statistics of this thread's latest call.
     """
 
     def __init__(self, config: DSparkConfig):
@@ -285,13 +278,10 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # Target modules borrowed when the checkpoint has no copies; a tuple keeps them out of
         # state_dict/parameters so they are neither saved nor moved with the draft.
         self._borrowed: tuple[nn.Module | None, nn.Module | None] = (None, None)
-        self.verify_policy = None
-        self.adaptive_drafting = None  # None | bool | DraftingGate
-        self.generation_stats = None
         self.post_init()
-        # Speculation settings a transformers user sets on an assistant (e.g. prompt_lookup_num_tokens);
-        # a call's generate() kwargs override them. A draft does not generate on its own, so
-        # transformers does not create this for it.
+        # Speculation settings a transformers user sets on an assistant (dspark_verify_policy,
+        # num_assistant_tokens, ...); a call's generate() kwargs override them. A draft does not
+        # generate on its own, so transformers does not create this for it.
         if getattr(self, "generation_config", None) is None:
             self.generation_config = GenerationConfig()
 

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import dspark_hf
-from dspark_hf import DSparkDraftModel, FixedLengthPolicy
+from dspark_hf import DSparkDraftModel
 from dspark_hf.benchmarks.shipped_drafts import missing_draft_message
 from dspark_hf.training.smollm2 import load_smollm2
 
@@ -68,7 +68,8 @@ def main() -> None:
         draft_path = args.draft or str(SHIPPED_DRAFT)
         draft = DSparkDraftModel.from_pretrained(draft_path, dtype=torch.float32).eval()
     if args.fixed_length is not None:
-        draft.verify_policy = FixedLengthPolicy(args.fixed_length)
+        # transformers' own assistant setting: this many draft tokens verified every round
+        draft.generation_config.num_assistant_tokens = args.fixed_length
 
     if not args.no_fast_path:  # the CPU fast path (a logged no-op on other devices)
         dspark_hf.optimize_for_cpu(target)
@@ -94,14 +95,14 @@ def main() -> None:
         dspark_times.append(seconds)
     plain_s, dspark_s = statistics.median(plain_times), statistics.median(dspark_times)
 
-    stats = draft.generation_stats
+    stats = draft.last_generation_stats
     new = out.shape[1] - inputs["input_ids"].shape[1]
     text = tokenizer.decode(out[0], skip_special_tokens=True) if tokenizer else out[0].tolist()
     print(f"output: {text}")
     if not args.sample:
         print(f"identical to the target alone: {out.tolist() == plain.tolist()}")
-    if draft.verify_policy is not None:
-        print(f"policy: {draft.verify_policy}")
+    if args.fixed_length is not None:
+        print(f"policy: {args.fixed_length} draft tokens every round (num_assistant_tokens)")
     elif draft.confidence_head is not None:
         print(f"policy: prefix scheduler on the live cost model ({dspark_hf.shared_cost_model(target)})")
     else:

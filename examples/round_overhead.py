@@ -27,7 +27,7 @@ def measure(target, draft, new_tokens: int, do_sample: bool) -> dict[str, float]
     target.generate(prompt, max_new_tokens=new_tokens, do_sample=do_sample, min_new_tokens=new_tokens,
                     assistant_model=draft)
     wall = time.perf_counter() - start
-    stats = draft.generation_stats
+    stats = draft.last_generation_stats
     parts = {k: v / stats.num_rounds * 1e3 for k, v in stats.timings().items()}
     parts["other (prefill, setup)"] = wall / stats.num_rounds * 1e3 - sum(parts.values())
     parts["round total"] = wall / stats.num_rounds * 1e3
@@ -50,7 +50,7 @@ def main() -> None:
     rows = {}
     for mode in ("greedy", "sample"):
         for name, policy in policies.items():
-            draft.verify_policy = policy
+            draft.generation_config.dspark_verify_policy = policy
             rows[f"{mode}/{name}"] = measure(target, draft, args.new_tokens, mode == "sample")
     keys = list(next(iter(rows.values())))
     print("| part | " + " | ".join(rows) + " |")

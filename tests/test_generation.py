@@ -189,9 +189,9 @@ class AlternatingGate:
 
 
 def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
-    import dspark_hf.candidate_generator as cg
+    import dspark_hf.settings as settings
 
-    monkeypatch.setattr(cg, "resolve_drafting_gate", lambda draft, policy: AlternatingGate())
+    monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None: AlternatingGate())
     target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
     draft.verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
     for prompt in _prompts(6, seed=3):
@@ -206,7 +206,7 @@ def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
 
 def test_adaptive_drafting_setting():
     from dspark_hf import DraftingGate, ThresholdPolicy
-    from dspark_hf.candidate_generator import resolve_drafting_gate
+    from dspark_hf.settings import resolve_drafting_gate
 
     target, draft = _target_and_draft("llama", confidence_logits=torch.zeros(VOCAB))
     assert resolve_drafting_gate(draft, PrefixScheduler([1.0, 0.5])) is not None

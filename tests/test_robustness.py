@@ -260,7 +260,8 @@ def test_corrupt_sps_cache_is_reprofiled_and_rewritten(tmp_path, target, caplog,
 
 
 @pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("policy,hint", [(4, r"FixedLengthPolicy\(4\)"), ("scheduler", "VerifyPolicy"),
+# "scheduler" is a valid policy name since settings moved to generation_config; a misspelt name is not.
+@pytest.mark.parametrize("policy,hint", [(4, r"FixedLengthPolicy\(4\)"), ("schedular", "VerifyPolicy"),
                                          (FixedLengthPolicy, "an instance")])
 def test_verify_policy_that_is_not_a_policy(target, batched, policy, hint):
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)

@@ -32,7 +32,6 @@ def run_batch_sweep(
     round, and whether every DSpark row equals the batched target's row."""
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    draft.verify_policy = None
     # One profile covering the largest batch; the smaller batches' tables are read from it.
     shared_cost_model(target, progress=progress)  # profiled once; larger batches extrapolate and learn live
     results = []
@@ -55,7 +54,7 @@ def run_batch_sweep(
 
         def batched_dspark():
             out = target.generate(ids, attention_mask=mask, assistant_model=draft, **common)
-            stats = draft.generation_stats
+            stats = draft.last_generation_stats
             row["mean_verified_per_row_round"] = stats.verified_tokens / max(stats.num_rounds, 1)
             row["tau_per_row"] = stats.mean_accepted_length
             return out

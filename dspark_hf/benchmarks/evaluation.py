@@ -31,16 +31,16 @@ from .summary import merge_stats
 def measure_acceptance(target, tokenizer, draft: DSparkDraftModel, prompts: list[str], *, do_sample: bool,
                        max_new_tokens: int = 256, seed: int = 0, desc: str = "") -> dict:
     """tau, verify efficiency and per-position conditional acceptance over ``prompts``, full block verified."""
-    draft.verify_policy = FixedLengthPolicy(draft.config.block_size)
+    full_block = FixedLengthPolicy(draft.config.block_size)
     collected, tokens, start = [], 0, time.perf_counter()
     for i, prompt in enumerate(tqdm(prompts, desc=desc or "prompts", leave=False)):
         ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
         torch.manual_seed(seed + i)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                               do_sample=do_sample, temperature=1.0, top_k=None, top_p=None,
-                              assistant_model=draft)
+                              assistant_model=draft, dspark_verify_policy=full_block)
         tokens += out.shape[1] - ids.shape[1]
-        collected.append(draft.generation_stats)
+        collected.append(draft.last_generation_stats)
     stats = merge_stats(collected)
     return {
         "tau": stats.mean_accepted_length,

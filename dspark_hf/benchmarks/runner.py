@@ -82,7 +82,9 @@ def _generate(target, stock_target, method: BenchMethod, drafts, ids, mode, max_
                   temperature=1.0, top_k=None, top_p=None)
     if method.kind == "dspark":
         draft = drafts[method.draft]
-        draft.verify_policy = _policy(method)
+        policy = _policy(method)
+        if policy is not None:
+            kwargs["dspark_verify_policy"] = policy
         kwargs["assistant_model"] = draft
         if not method.lookup:
             kwargs["prompt_lookup_num_tokens"] = 0
@@ -148,7 +150,7 @@ def run_benchmark(
                         record.new_tokens = out.shape[1] - ids.shape[1]
                         outputs[method.name] = out[0].tolist()
                         if method.kind == "dspark":
-                            stats = drafts[method.draft].generation_stats
+                            stats = drafts[method.draft].last_generation_stats
                             record.rounds = list(stats.rounds)
                             record.prefill_seconds = stats.prefill_time
                     records.append(record)

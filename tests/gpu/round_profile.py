@@ -117,7 +117,7 @@ def time_generation(target, draft, device: str, *, prompt_len: int, new_tokens: 
         wall = time.perf_counter() - start
     finally:
         timer.remove()
-    stats = draft.generation_stats
+    stats = draft.last_generation_stats
     rounds = stats.num_rounds
     prefill = timer.target_calls[0][1]  # the prompt's forward
     verify_calls = [t for _, t in timer.target_calls[1:]]
@@ -168,8 +168,8 @@ def run(rec, device: str, dry_run: bool) -> None:
         return
     target, draft = built["target"], built["draft"]
     curve = rec.check("sps-curve", lambda: sps_curve(target, dry_run))
-    draft.adaptive_drafting = False
-    draft.verify_policy = FixedLengthPolicy(7)  # every round verifies the block: every part runs
+    draft.generation_config.dspark_adaptive_drafting = False
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(7)  # every round verifies the block: every part runs
     shape = dict(prompt_len=32 if dry_run else 256, new_tokens=12 if dry_run else 64)
     configs = [("op", {"DSPARK_HF_CUDA_OP": "1", "DSPARK_HF_CUDA_GRAPH": "0"}, False),
                ("op-graphed", {"DSPARK_HF_CUDA_OP": "1", "DSPARK_HF_CUDA_GRAPH": "1"}, False),
@@ -183,5 +183,5 @@ def run(rec, device: str, dry_run: bool) -> None:
                                                                            **shape))
     if curve and curve.get("ok"):
         os.environ.update(configs[0][1])
-        draft.verify_policy = PrefixScheduler(curve["sps"])
+        draft.generation_config.dspark_verify_policy = PrefixScheduler(curve["sps"])
         rec.check("round-op-scheduler", lambda: time_generation(target, draft, device, do_sample=False, **shape))
