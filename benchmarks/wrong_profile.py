@@ -22,7 +22,7 @@ import torch
 from dspark_hf import DSparkDraftModel, PrefixScheduler, optimize_for_cpu, shared_cost_model
 from dspark_hf.data import chat_prompt_ids
 from dspark_hf.evaluation import DATASETS, load_eval_prompts
-from dspark_hf.scheduler import _shared_cost_models, profile_sps, sps_cache_key
+from dspark_hf.step_rates import _shared_cost_models, profile_sps, sps_cache_key
 from dspark_hf.smollm2 import load_smollm2
 
 DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"

@@ -52,7 +52,7 @@ from transformers.utils import logging
 
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
 from .sampling import SerialSample, position_confidence
-from .scheduler import default_cache_dir
+from .cache_dir import default_cache_dir
 
 logger = logging.get_logger(__name__)
 
