@@ -51,6 +51,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingC
 from transformers.utils import logging
 
 from .candidate_generator import DSparkGenerationStats, RoundStats, resolve_drafting_gate, resolve_verify_policy
+from .configuration_dspark import hidden_state_indices
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
 from .stopping import first_stops, positional_criteria
@@ -189,7 +190,7 @@ def batched_dspark_generate(
         raise ValueError(f"max_length {generation_config.max_length} leaves no room after the {prompt_len}-token prompt.")
     policy = resolve_verify_policy(draft, target, num_rows)
     gate = resolve_drafting_gate(draft, policy)
-    layer_indices = [i + 1 for i in draft.config.target_layer_ids]
+    layer_indices = hidden_state_indices(draft.config.target_layer_ids)
     stats = DSparkGenerationStats(block_size=gamma)
     draft.generation_stats = stats
     warned_non_finite = False

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dspark_hf.heads import calibrated_confidences  # absolute: this module moves to dspark_hf/training/
+
 DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81)  # temperatures 0.1 .. 10
 
 
@@ -35,9 +37,7 @@ def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor, 
 
 def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
     """Cumulative products of ``sigmoid(z / T)`` along positions, (N, gamma)."""
-    if temperatures is not None:
-        confidence_logits = confidence_logits / temperatures
-    return torch.cumprod(torch.sigmoid(confidence_logits), dim=-1)
+    return torch.cumprod(calibrated_confidences(confidence_logits, temperatures), dim=-1)
 
 
 def sequential_temperature_scaling(

@@ -19,17 +19,17 @@ from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixSched
 from .step_rates import load_sps_profile, profile_sps, shared_cost_model, sps_cache_key
 
 __all__ = [
-    "VerifyPolicy",
-    "PrefixScheduler",
-    "FixedLengthPolicy",
-    "ThresholdPolicy",
-    "PerPositionThresholdPolicy",
-    "DraftingGate",
-    "monotone_step_times",
-    "profile_sps",
-    "load_sps_profile",
-    "sps_cache_key",
     "default_cache_dir",
+    "DraftingGate",
+    "FixedLengthPolicy",
+    "load_sps_profile",
+    "monotone_step_times",
+    "PerPositionThresholdPolicy",
+    "PrefixScheduler",
+    "profile_sps",
     "shared_cost_model",
+    "sps_cache_key",
     "StepCostModel",
+    "ThresholdPolicy",
+    "VerifyPolicy",
 ]
