@@ -21,7 +21,7 @@ import torch
 
 from dspark_hf import DSparkDraftModel, PrefixScheduler, optimize_for_cpu, shared_cost_model
 from dspark_hf.benchmarks.prompt_sets import DATASETS, load_eval_prompts
-from dspark_hf.scheduler import _shared_cost_models, profile_sps, sps_cache_key
+from dspark_hf.step_rates import _shared_cost_models, profile_sps, sps_cache_key
 from dspark_hf.training.data import chat_prompt_ids
 from dspark_hf.training.smollm2 import load_smollm2
 

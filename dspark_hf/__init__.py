@@ -15,8 +15,9 @@ from .hub import export, push_to_hub, render_model_card
 from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
 from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .sampling import SerialSample, serial_sample
-from .scheduler import (DraftingGate, FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy,
-                        VerifyPolicy, profile_sps, shared_cost_model)
+from .drafting_gate import DraftingGate
+from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from .step_rates import profile_sps, shared_cost_model
 
 __version__ = "0.1.0"
 

@@ -51,6 +51,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingC
 from transformers.utils import logging
 
 from .candidate_generator import DSparkGenerationStats, RoundStats
+from .configuration_dspark import hidden_state_indices
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
 from .settings import record_generation_stats, resolve_settings
@@ -190,7 +191,7 @@ def batched_dspark_generate(
         raise ValueError(f"max_length {generation_config.max_length} leaves no room after the {prompt_len}-token prompt.")
     settings = resolve_settings(draft, target, generation_config, num_rows)  # this call's, never the draft's
     policy, gate = settings.policy, settings.gate
-    layer_indices = [i + 1 for i in draft.config.target_layer_ids]
+    layer_indices = hidden_state_indices(draft.config.target_layer_ids)
     stats = DSparkGenerationStats(block_size=gamma)
     record_generation_stats(draft, stats)
     warned_non_finite = False

@@ -27,6 +27,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
+from .configuration_dspark import hidden_state_indices
 from .context_lookup import SourceChooser
 from .modeling_dspark import DSparkDraftModel
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
@@ -184,7 +185,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.eos_token_ids = generation_config._eos_token_tensor
-        self.layer_indices = [i + 1 for i in draft.config.target_layer_ids]
+        self.layer_indices = hidden_state_indices(draft.config.target_layer_ids)
         # A user asking for all hidden states in the output keeps the full tuple: a list-valued
         # selection would replace it and break transformers' output splitting.
         wants_all = generation_config.output_hidden_states and generation_config.return_dict_in_generate

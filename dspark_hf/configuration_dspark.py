@@ -214,20 +214,10 @@ class DSparkConfig(PreTrainedConfig):
                 "confidence_head_with_markov=True needs a Markov head (markov_rank > 0); set "
                 "confidence_head_with_markov=False for a DFlash-style draft with a confidence head."
             )
-        ids = self.target_layer_ids
-        if ids is not None:
-            if len(ids) == 0:
-                raise ValueError("target_layer_ids is empty; list at least one target layer index.")
-            if any(b <= a for a, b in zip(ids, ids[1:])):
-                raise ValueError(f"target_layer_ids must be strictly increasing, got {list(ids)}.")
-            if ids[0] < -1:
-                raise ValueError(f"target_layer_ids must be >= -1 (-1 = embedding output), got {list(ids)}.")
-            if self.num_target_layers is not None and ids[-1] >= self.num_target_layers - 1:
-                raise ValueError(
-                    f"target_layer_ids {list(ids)} include or exceed the target's last layer "
-                    f"({self.num_target_layers - 1}); transformers returns that layer after the final norm. "
-                    "Use layers below it."
-                )
+        if self.target_layer_ids is not None:
+            problem = target_layer_ids_problem(self.target_layer_ids, self.num_target_layers)
+            if problem is not None:
+                raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} {problem}.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the embedding table (vocab_size {self.vocab_size}); "
@@ -240,6 +230,36 @@ class DSparkConfig(PreTrainedConfig):
                     f"confidence_temperatures must hold block_size={self.block_size} positive values, got {temps}; "
                     "re-run calibration or set it to None."
                 )
+
+
+def target_layer_ids_problem(layer_ids: list[int], num_target_layers: int | None) -> str | None:
+    """What is wrong with ``layer_ids`` as the target layers a draft reads, completing the sentence
+    "target_layer_ids [...] ..."; ``None`` when they are fine.
+
+    The ids must be strictly increasing and ``>= -1`` (``-1`` is the embedding output), and, when
+    the target's depth is known, below its last layer: transformers returns that layer after the
+    final norm, which is not what the draft was trained on.
+    """
+    ids = list(layer_ids)
+    if not ids:
+        return "must not be empty; list at least one target layer index"
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        return "must be strictly increasing"
+    if ids[0] < -1:
+        return "must be >= -1 (-1 = embedding output)"
+    if num_target_layers is not None and ids[-1] >= num_target_layers - 1:
+        return (f"include or exceed the target's last layer ({num_target_layers - 1}), which transformers returns "
+                "after the final norm; use layers below it")
+    return None
+
+
+def hidden_state_indices(layer_ids: list[int]) -> list[int]:
+    """Where the outputs of target layers ``layer_ids`` sit in transformers' ``hidden_states``.
+
+    That tuple starts with the embedding output, so layer ``i``'s output is entry ``i + 1`` (and the
+    embedding output, layer id ``-1``, is entry 0).
+    """
+    return [layer_id + 1 for layer_id in layer_ids]
 
 
 # Fields a checkpoint's config.json must give, with what they mean (see DSparkConfig.from_dict).
@@ -406,8 +426,10 @@ def translate_zlab_dflash_config(config_dict: dict) -> dict:
 
 __all__ = [
     "DSparkConfig",
+    "hidden_state_indices",
     "is_dspark_config",
     "is_recognised_draft_config_dict",
     "is_zlab_dflash_config_dict",
+    "target_layer_ids_problem",
     "translate_zlab_dflash_config",
 ]

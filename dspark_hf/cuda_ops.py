@@ -50,9 +50,10 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
+from .cache_dir import default_cache_dir
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
-from .sampling import SerialSample, position_confidence
-from .scheduler import default_cache_dir
+from .policies import offer_until_refused
+from .serial_block import SerialSample, confidence_temperatures, position_confidence
 
 logger = logging.get_logger(__name__)
 
@@ -269,23 +270,6 @@ def _run_op(*args):
     return torch.ops.dspark_hf.serial_sample(*args)
 
 
-def _confidence_temperatures(draft, device) -> torch.Tensor | None:
-    """The config's calibration temperatures as a cached fp32 device tensor (no copy per call, so
-    calls can be captured in a CUDA graph once the cache is warm)."""
-    temperatures = draft.config.confidence_temperatures
-    if temperatures is None:
-        return None
-    key = (tuple(float(t) for t in temperatures), str(device))
-    cache = getattr(draft, "_dspark_temperature_cache", None)
-    if cache is None or cache[0] != key:
-        cache = (key, torch.tensor(key[0], dtype=torch.float32, device=device))
-        try:
-            draft._dspark_temperature_cache = cache
-        except AttributeError:  # a draft that refuses attributes: build it each call
-            pass
-    return cache[1]
-
-
 def serial_sample_cuda(
     draft,
     base_logits: torch.Tensor,
@@ -325,7 +309,7 @@ def serial_sample_cuda(
         markov.gate_proj.bias if gated else None,
         confidence.proj.weight if confidence is not None else None,
         confidence.proj.bias if confidence is not None else None,
-        _confidence_temperatures(draft, device) if confidence is not None else None,
+        confidence_temperatures(draft, device) if confidence is not None else None,
     )
     settings = (float(temperature), FUSED_MAX_ROWS if fused_max_rows is None else int(fused_max_rows))
     anchor = anchor_ids.reshape(rows).to(device=device, dtype=torch.long)
@@ -399,35 +383,6 @@ def op_applies(
     return True
 
 
-def dispatch(
-    draft,
-    base_logits: torch.Tensor,
-    hidden_states: torch.Tensor,
-    anchor_ids: torch.Tensor,
-    *,
-    do_sample: bool,
-    logits_processor: LogitsProcessorList | None,
-    generator: torch.Generator | None,
-    uniforms: torch.Tensor | None,
-    backend: str,
-) -> SerialSample | None:
-    """The op's result for :func:`~dspark_hf.sampling.serial_sample`, or None to run the reference
-    (see :func:`op_applies` for when)."""
-    if not op_applies(draft, base_logits, hidden_states, anchor_ids, logits_processor=logits_processor,
-                      uniforms=uniforms, backend=backend):
-        return None
-    return serial_sample_cuda(
-        draft,
-        base_logits,
-        hidden_states,
-        anchor_ids,
-        do_sample=do_sample,
-        temperature=processor_temperature(logits_processor),
-        uniforms=uniforms,
-        generator=generator,
-    )
-
-
 def _lazy_logits_stand_in(draft, hidden_states: torch.Tensor) -> torch.Tensor:
     """What the LM head would return for ``hidden_states`` (shape, dtype, device), without running
     it: one element, expanded (:func:`unsupported_reason` reads only those)."""
@@ -436,7 +391,7 @@ def _lazy_logits_stand_in(draft, hidden_states: torch.Tensor) -> torch.Tensor:
     return torch.empty((), dtype=weight.dtype, device=hidden_states.device).expand(rows, gamma, weight.shape[0])
 
 
-def dispatch_admitted(
+def dispatch(
     draft,
     base_logits: torch.Tensor | None,
     hidden_states: torch.Tensor,
@@ -447,32 +402,52 @@ def dispatch_admitted(
     generator: torch.Generator | None,
     uniforms: torch.Tensor | None,
     backend: str,
-    admission: Callable[[float], bool],
-    num_positions: int,
+    admission: Callable[[float], bool] | None = None,
+    num_positions: int | None = None,
 ) -> SerialSample | None:
-    """The op path for one request decided by the verify policy's ``admission`` (its incremental
-    ``offer``), or None to run the reference loop.
+    """The op's result for :func:`~dspark_hf.sampling.serial_sample`, or None to run the reference
+    loop (see :func:`op_applies` for when).
 
-    It keeps the reference loop's economy: ``c_1`` (a dot product over the hidden state and the
-    anchor's Markov feature) is computed and offered before anything vocabulary-sized runs, so a
-    round that verifies nothing runs neither the LM head (``base_logits=None``: computed lazily)
-    nor the op. Once ``c_1`` is admitted, the LM head runs on the ``num_positions`` positions of
-    the length budget, the op draws them in one call, and its ``c_2, c_3, ...`` are offered in
-    order up to the first refusal. Lossless like the reference: admitting position ``k`` depends
-    on ``c_1..c_k`` only, each known before ``x_k`` is drawn; positions drawn past the refusal are
-    discarded, and with them their uniforms.
+    Without ``admission`` the op draws the whole block. With ``admission`` (one request, decided by
+    the verify policy's incremental ``offer``) the reference loop's economy is kept, see
+    :func:`_draw_admitted`; ``base_logits`` may then be ``None`` (the LM head runs only once a
+    first position is admitted) and ``num_positions`` caps the positions offered.
     """
     stand_in = base_logits if base_logits is not None else _lazy_logits_stand_in(draft, hidden_states)
     if not op_applies(draft, stand_in, hidden_states, anchor_ids, logits_processor=logits_processor,
                       uniforms=uniforms, backend=backend):
         return None
+    temperature = processor_temperature(logits_processor)
+    if admission is None:
+        return serial_sample_cuda(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
+                                  temperature=temperature, uniforms=uniforms, generator=generator)
+    num_positions = hidden_states.shape[1] if num_positions is None else num_positions
+    return _draw_admitted(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample, temperature=temperature,
+                          generator=generator, uniforms=uniforms, admission=admission, num_positions=num_positions,
+                          vocab_size=stand_in.shape[-1])
+
+
+def _draw_admitted(draft, base_logits: torch.Tensor | None, hidden_states: torch.Tensor, anchor_ids: torch.Tensor, *,
+                   do_sample: bool, temperature: float, generator: torch.Generator | None,
+                   uniforms: torch.Tensor | None, admission: Callable[[float], bool], num_positions: int,
+                   vocab_size: int) -> SerialSample:
+    """The op path for one request decided by the verify policy's ``admission``.
+
+    ``c_1`` (a dot product over the hidden state and the anchor's Markov feature) is computed and
+    offered before anything vocabulary-sized runs, so a round that verifies nothing runs neither
+    the LM head (``base_logits=None``: computed lazily) nor the op. Once ``c_1`` is admitted, the LM
+    head runs on the ``num_positions`` positions of the length budget, the op draws them in one
+    call, and its ``c_2, c_3, ...`` are offered in order up to the first refusal. Lossless like the
+    reference: admitting position ``k`` depends on ``c_1..c_k`` only, each known before ``x_k`` is
+    drawn; positions drawn past the refusal are discarded, and with them their uniforms.
+    """
     device = hidden_states.device
     has_confidence = draft.confidence_head is not None
     anchor = anchor_ids.reshape(1).to(device)
     offered: list[float] = []
     keep, result, lm_head_seconds = 0, None, 0.0
     if num_positions > 0:
-        temperatures = _confidence_temperatures(draft, device) if has_confidence else None
+        temperatures = confidence_temperatures(draft, device) if has_confidence else None
         offered.append(position_confidence(draft, hidden_states, 0, anchor, temperatures))
     if offered and admission(offered[0]):
         if base_logits is None:
@@ -481,19 +456,15 @@ def dispatch_admitted(
             lm_head_seconds = time.perf_counter() - start
         result = serial_sample_cuda(
             draft, base_logits[:, :num_positions], hidden_states[:, :num_positions], anchor, do_sample=do_sample,
-            temperature=processor_temperature(logits_processor),
-            uniforms=uniforms[:, :num_positions] if uniforms is not None else None, generator=generator,
+            temperature=temperature, uniforms=uniforms[:, :num_positions] if uniforms is not None else None,
+            generator=generator,
         )
-        keep = 1
         later = result.confidences[0, 1:].tolist() if has_confidence else [1.0] * (num_positions - 1)
-        for c in later:
-            offered.append(c)
-            if not admission(c):
-                break
-            keep += 1
+        # The op's confidences are not checked: a NaN is offered as it is and refused.
+        keep = 1 + offer_until_refused(admission, later, validate=False, offered=offered)
     if result is None:
         tokens = torch.empty(1, 0, dtype=torch.long, device=device)
-        logits = torch.empty(1, 0, stand_in.shape[-1], device=device)
+        logits = torch.empty(1, 0, vocab_size, device=device)
         drawn_uniforms = uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None
     else:
         tokens, logits, drawn_uniforms = result.tokens[:, :keep], result.logits[:, :keep], result.uniforms
@@ -513,7 +484,6 @@ __all__ = [
     "OP_QUALNAME",
     "build_problem",
     "dispatch",
-    "dispatch_admitted",
     "extension_dir",
     "is_loaded",
     "load_extension",

@@ -10,7 +10,8 @@ Data flow of one round (docs/design.md, section 4):
    queries from the block only, keys/values ``[context; block]``, no causal mask. It returns the
    final-normed hidden states ``h_k`` and base logits ``U_k``; the block's own keys/values are never
    stored, so nothing needs dropping afterwards.
-3. :mod:`dspark_hf.sampling` draws tokens left to right with the Markov bias and computes ``c_k``.
+3. :mod:`dspark_hf.sampling` draws tokens left to right with the Markov bias and computes ``c_k``
+   (the two heads are in :mod:`dspark_hf.heads`).
 
 State-dict names follow the DeepSpec checkpoints (``layers.{i}.self_attn.q_proj``, ``fc``,
 ``hidden_norm``, ``markov_head.markov_w1``, ``confidence_head.proj``, ...). ``embed_tokens`` and
@@ -29,7 +30,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import logging
 
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import DSparkConfig, target_layer_ids_problem
+from .heads import ConfidenceHead, MarkovHead
 from .settings import DraftRuntimeSettings
 from .targets import draft_backbone_fields
 
@@ -137,67 +139,6 @@ class DSparkDecoderLayer(nn.Module):
             self.input_layernorm(hidden_states), cos, sin, context_keys, context_values, attention_mask
         )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-
-
-class MarkovHead(nn.Module):
-    """Serial sampling bias ``B_k`` from the previously drawn token (paper eqs. 5 and 6).
-
-    * ``vanilla``: ``B = W2(W1[x_{k-1}])``.
-    * ``gated``: ``B = W2(sigmoid(gate_proj([h_k; W1[x_{k-1}]])) * W1[x_{k-1}])``.
-    * ``rnn``: ``z = [s_{k-1}; W1[x_{k-1}]; h_k]``, one projection split into gate g, candidate c and
-      output o; ``s_k = sigmoid(g) * s_{k-1} + (1 - sigmoid(g)) * tanh(c)``, ``B = W2(tanh(o))``.
-    """
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.head_type = config.markov_head_type
-        self.rank = config.markov_rank
-        self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)
-        self.markov_w2 = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
-        if self.head_type == "gated":
-            self.gate_proj = nn.Linear(config.hidden_size + config.markov_rank, config.markov_rank)
-        elif self.head_type == "rnn":
-            self.joint_proj = nn.Linear(2 * config.markov_rank + config.hidden_size, 3 * config.markov_rank)
-
-    def initial_state(self, batch_size: int, device, dtype) -> torch.Tensor | None:
-        if self.head_type != "rnn":
-            return None
-        return torch.zeros(batch_size, self.rank, device=device, dtype=dtype)
-
-    def step(
-        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bias over the vocabulary for one position. prev_tokens (R,), hidden (R, d) -> (R, V), new state."""
-        feature = self.markov_w1(prev_tokens)
-        if self.head_type == "vanilla":
-            return self.markov_w2(feature), state
-        if self.head_type == "gated":
-            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, feature], dim=-1)))
-            return self.markov_w2(gate * feature), state
-        gate, candidate, output = self.joint_proj(torch.cat([state, feature, hidden], dim=-1)).chunk(3, dim=-1)
-        gate = torch.sigmoid(gate)
-        state = gate * state + (1 - gate) * torch.tanh(candidate)
-        return self.markov_w2(torch.tanh(output)), state
-
-
-class ConfidenceHead(nn.Module):
-    """``c_k = sigmoid((w . [h_k; W1[x_{k-1}]] + b) / T_k)``: P(position k accepted | 1..k-1 accepted).
-
-    It reads the PREVIOUS token only, so ``c_k`` is known before ``x_k`` is drawn; that is what keeps
-    the prefix scheduler lossless.
-    """
-
-    def __init__(self, config: DSparkConfig):
-        super().__init__()
-        self.with_markov = config.confidence_head_with_markov
-        in_features = config.hidden_size + (config.markov_rank if self.with_markov else 0)
-        self.proj = nn.Linear(in_features, 1)
-
-    def logits(self, hidden: torch.Tensor, prev_features: torch.Tensor | None) -> torch.Tensor:
-        """hidden (R, gamma, d), prev_features (R, gamma, r) or None -> confidence logits (R, gamma)."""
-        if self.with_markov:
-            hidden = torch.cat([hidden, prev_features], dim=-1)
-        return self.proj(hidden).squeeze(-1)
 
 
 @dataclass
@@ -440,12 +381,11 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
                 "target's hidden states. Use a draft trained for this target."
             )
         n_layers = tc.num_hidden_layers
-        ids = list(c.target_layer_ids)
-        if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1 or ids[-1] >= n_layers - 1:
+        problem = target_layer_ids_problem(c.target_layer_ids, n_layers)
+        if problem is not None:
             raise ValueError(
-                f"target_layer_ids {ids} do not fit the target's {n_layers} layers: they must be strictly "
-                f"increasing, >= -1 and below its last layer {n_layers - 1} (transformers returns that one "
-                "post-norm). Use a draft trained for this target."
+                f"target_layer_ids {list(c.target_layer_ids)} do not fit the target's {n_layers} layers: they "
+                f"{problem}. Use a draft trained for this target."
             )
         if c.num_target_layers is not None and c.num_target_layers != n_layers:
             raise ValueError(

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-import dspark_hf.scheduler as scheduler_module
+import dspark_hf.step_rates as step_rates_module
 from dspark_hf import FixedLengthPolicy, PrefixScheduler, StepCostModel, shared_cost_model
-from dspark_hf.scheduler import sps_cache_key
+from dspark_hf.step_rates import sps_cache_key
 from tiny_models import markov_draft, random_target, target_next_token_table
 
 TRUE_SECONDS = [0.050, 0.056, 0.052, 0.053, 0.054, 0.056, 0.058, 0.060]  # a flat CPU curve (ms-level noise)
@@ -109,11 +109,12 @@ def _pair():
     return target, draft
 
 
-def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch):
+def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path))  # no profile left on disk by earlier tests
     target, draft = _pair()
     calls = []
-    profile = scheduler_module.profile_sps
-    monkeypatch.setattr(scheduler_module, "profile_sps", lambda *a, **k: calls.append(a[1]) or profile(*a, **k))
+    profile = step_rates_module.profile_sps
+    monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: calls.append(a[1]) or profile(*a, **k))
     prompts = torch.randint(3, 48, (3, 6))
     for rows in (1, 2, 3, 1):
         batch = prompts[:rows]
@@ -121,7 +122,7 @@ def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch):
         got = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False,
                               assistant_model=draft)
         assert got.tolist() == expected.tolist()
-    assert calls == [scheduler_module.DEFAULT_PROFILE_TOKENS]  # profiled once, for the first call only
+    assert calls == [step_rates_module.DEFAULT_PROFILE_TOKENS]  # profiled once, for the first call only
     assert shared_cost_model(target).num_observations > 0
 
 
@@ -135,7 +136,7 @@ def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):
     model = shared_cost_model(target, cache_dir=tmp_path)
     assert model.prior(1) == pytest.approx(10.0)
     draft.verify_policy = PrefixScheduler(cost_model=model, max_tokens=5)
-    with caplog.at_level(logging.WARNING, logger="dspark_hf.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.step_rates"):
         target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft)
     assert "differ from its profiled SPS table" in caplog.text and str(path) in caplog.text
     rewritten = json.loads(path.read_text())
@@ -160,6 +161,6 @@ def test_profile_command_writes_the_table_the_default_scheduler_then_reads(tmp_p
     from dspark_hf import optimize_for_cpu
 
     served = optimize_for_cpu(AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval())
-    monkeypatch.setattr(scheduler_module, "profile_sps", lambda *a, **k: pytest.fail("profiled again"))
+    monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: pytest.fail("profiled again"))
     model = shared_cost_model(served, cache_dir=tmp_path)
     assert model.prior_length == 24

@@ -25,13 +25,6 @@ ALLOWED_TOOLING_IMPORTS = {
 # Top-level modules that are command-line entry points rather than the decoding path.
 ENTRY_POINTS = {"dspark_hf.cli": "the dspark-hf command dispatches to the tooling CLIs by module name"}
 
-# Offenders in modules being split in parallel (scheduler, sampling, cuda_ops, modeling_dspark);
-# to be emptied once that work is merged. Anything not listed here fails.
-KNOWN_TO_FIX = {
-    "cycles": [frozenset({"dspark_hf.sampling", "dspark_hf.cuda_ops"})],
-    "long_modules": {"dspark_hf.scheduler", "dspark_hf.modeling_dspark"},
-}
-
 
 # ----------------------------------------------------------------------------- reading the tree
 def _is_package_dir(folder: Path) -> bool:
@@ -181,8 +174,7 @@ def test_the_graph_sees_the_package():
 
 
 def test_no_import_cycles():
-    known = set(KNOWN_TO_FIX["cycles"])
-    found = [cycle for cycle in _cycles(GRAPH) if frozenset(cycle) not in known]
+    found = list(_cycles(GRAPH))
     assert not found, "import cycles (imports inside functions count):\n" + "\n".join(" -> ".join(c) for c in found)
 
 
@@ -206,5 +198,5 @@ def test_allowed_crossings_are_still_needed():
 
 def test_no_module_over_the_line_limit():
     too_long = {module: len(path.read_text(encoding="utf-8").splitlines()) for module, path in MODULES.items()}
-    too_long = {m: n for m, n in too_long.items() if n > MAX_LINES and m not in KNOWN_TO_FIX["long_modules"]}
+    too_long = {m: n for m, n in too_long.items() if n > MAX_LINES}
     assert not too_long, f"modules over {MAX_LINES} lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(too_long.items()))

@@ -1,4 +1,5 @@
-"""Tests for dspark_hf.scheduler: verification policies and the SPS profiler."""
+"""Tests for the verification policies (dspark_hf.policies), the drafting gate and the SPS profiler
+(dspark_hf.step_rates), and for the dspark_hf.scheduler names kept for compatibility."""
 
 from __future__ import annotations
 
@@ -10,16 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark_hf.scheduler import (
-    DraftingGate,
-    FixedLengthPolicy,
-    PrefixScheduler,
-    ThresholdPolicy,
-    VerifyPolicy,
-    monotone_step_times,
-    profile_sps,
-    sps_cache_key,
-)
+import dspark_hf.scheduler
+from dspark_hf.cost_model import monotone_step_times
+from dspark_hf.drafting_gate import DraftingGate
+from dspark_hf.policies import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from dspark_hf.step_rates import profile_sps, sps_cache_key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,3 +510,17 @@ def test_incremental_offer_matches_admit(policy):
                 break
             keep += 1
         assert keep == policy.admit(confidences)
+
+
+def test_scheduler_module_still_offers_every_name_it_had():
+    import dspark_hf.cache_dir
+    import dspark_hf.cost_model
+    import dspark_hf.drafting_gate
+    import dspark_hf.policies
+    import dspark_hf.step_rates
+
+    homes = (dspark_hf.policies, dspark_hf.drafting_gate, dspark_hf.step_rates, dspark_hf.cost_model,
+             dspark_hf.cache_dir)
+    for name in dspark_hf.scheduler.__all__:
+        home = next(module for module in homes if name in vars(module))
+        assert getattr(dspark_hf.scheduler, name) is getattr(home, name), name

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..heads import calibrated_confidences
 from ..modeling_dspark import DSparkDraftModel
 from .trainer import draft_block_outputs, sample_anchors, serial_logits_teacher_forced
 
@@ -38,9 +39,7 @@ def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor, 
 
 def survival(confidence_logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
     """Cumulative products of ``sigmoid(z / T)`` along positions, (N, gamma)."""
-    if temperatures is not None:
-        confidence_logits = confidence_logits / temperatures
-    return torch.cumprod(torch.sigmoid(confidence_logits), dim=-1)
+    return torch.cumprod(calibrated_confidences(confidence_logits, temperatures), dim=-1)
 
 
 def sequential_temperature_scaling(

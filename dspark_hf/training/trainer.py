@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..configuration_dspark import DSparkConfig
+from ..configuration_dspark import DSparkConfig, hidden_state_indices
+from ..heads import confidence_logits
 from ..modeling_dspark import DSparkDraftModel
 
 logger = logging.get_logger(__name__)
@@ -167,7 +168,7 @@ def target_features(target: PreTrainedModel, input_ids: torch.LongTensor, layer_
     """(context features (L, m*d), final hidden (L, d)) of one sequence, fp16 on CPU."""
     out = target.base_model(input_ids=input_ids[None].to(target.device), output_hidden_states=True)
     hidden = out.hidden_states
-    context = torch.cat([hidden[i + 1][0] for i in layer_ids], dim=-1)
+    context = torch.cat([hidden[i][0] for i in hidden_state_indices(layer_ids)], dim=-1)
     return context.half().cpu(), out.last_hidden_state[0].half().cpu()
 
 
@@ -231,8 +232,7 @@ def serial_logits_teacher_forced(draft: DSparkDraftModel, base_logits, hidden, p
         logits = logits + torch.stack(biases, dim=1)
     confidence = None
     if draft.confidence_head is not None:
-        features = draft.markov_head.markov_w1(previous) if draft.confidence_head.with_markov else None
-        confidence = draft.confidence_head.logits(hidden, features)
+        confidence = confidence_logits(draft, hidden, previous)
     return logits, confidence
 
 

@@ -37,7 +37,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from dspark_hf import cuda_ops
 from dspark_hf.configuration_dspark import DSparkConfig
-from dspark_hf.modeling_dspark import ConfidenceHead, MarkovHead
+from dspark_hf.heads import ConfidenceHead, MarkovHead
 from dspark_hf.sampling import SerialSample, serial_sample
 
 HAS_CUDA = torch.cuda.is_available()

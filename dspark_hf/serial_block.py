@@ -1,0 +1,125 @@
+"""What the two serial-sampling paths share: the PyTorch loop (:mod:`dspark_hf.sampling`) and the
+compiled CUDA op (:mod:`dspark_hf.cuda_ops`).
+
+Both return a :class:`SerialSample`, compute a position's confidence the same way
+(:func:`position_confidence`, with the calibration temperatures of :func:`confidence_temperatures`),
+add the Markov bias with DeepSpec's arithmetic (:func:`add_markov_bias`) and, when given uniforms,
+sample by the same inverse-CDF rule (:func:`inverse_cdf_sample`). Keeping these here lets the
+sampling module call into the op and the op use them without the two modules importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .heads import calibrated_confidences, confidence_logits
+
+__all__ = [
+    "NON_FINITE_DRAFT_WARNING",
+    "SerialSample",
+    "add_markov_bias",
+    "confidence_temperatures",
+    "inverse_cdf_sample",
+    "position_confidence",
+]
+
+
+@dataclass
+class SerialSample:
+    """Result of :func:`~dspark_hf.sampling.serial_sample`.
+
+    Attributes:
+        tokens: drawn tokens ``x_1..x_gamma``, (R, gamma) long; with ``admission``, only the
+            admitted ``x_1..x_keep`` (R = 1, keep = ``num_admitted``).
+        logits: the float32 logits each token was drawn from (``U_k + B_k`` after the logits
+            processors), (R, gamma, V); with ``admission``, (1, keep, V).
+        confidences: ``c_1..c_gamma`` (calibrated when the config has temperatures), (R, gamma)
+            float32, or ``None`` for a draft without a confidence head; with ``admission``, the
+            ones offered to it.
+        uniforms: when sampling by inverse CDF (the CUDA op always, the reference when given
+            ``uniforms``), the numbers in [0, 1) the tokens were drawn with, (R, gamma) float32;
+            otherwise ``None``.
+    """
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor
+    confidences: torch.Tensor | None
+    uniforms: torch.Tensor | None = None
+    num_admitted: int | None = None
+    lm_head_seconds: float = 0.0  # wall time of a lazily computed LM head (part of the draft forward)
+    offered: list[float] | None = None  # with admission: the confidences offered, as Python floats
+
+    def finite_rows(self) -> torch.Tensor:
+        """(R,) bool on the sample's device: True where every drawn position of the row had a
+        well-defined distribution and a finite confidence.
+
+        A distribution is well defined when the largest logit is finite: a NaN or ``+inf`` logit
+        (float16 overflow, corrupt weights) or a row of ``-inf`` makes its softmax NaN, while a
+        partial ``-inf`` mask (top-k, top-p) is fine. One max-reduction over the logits already
+        computed; no host sync (the caller reads the flags with its own transfer).
+        """
+        ok = torch.isfinite(self.logits.amax(dim=-1)).all(dim=-1)
+        if self.confidences is not None:
+            ok &= torch.isfinite(self.confidences[:, : self.tokens.shape[1]]).all(dim=-1).to(ok.device)
+        return ok
+
+
+# Logged (once per generate call) when a round's draft distribution is not finite; the round verifies nothing.
+NON_FINITE_DRAFT_WARNING = (
+    "The draft produced non-finite logits or confidences (NaN or inf: float16 overflow or corrupt weights); "
+    "rounds where that happens verify no draft tokens, so the output stays the target's but those rounds "
+    "gain no speed. Run the draft in bfloat16 or float32, or check its weights. Logged once per generate call."
+)
+
+
+def add_markov_bias(base_logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``U_k + B_k`` as DeepSpec computes it, as float32: the sum is taken in the draft's dtype
+    (for a bf16 draft it is rounded to bf16) and only then widened for the logits processors and
+    sampling. The drafts were trained with this arithmetic; adding in float32 instead changes the
+    argmax wherever rounding makes a near-tie (about a fifth of 7-token blocks at V = 151,936). In
+    float32 both orders are the same. (Mixed dtypes follow PyTorch's promotion.)"""
+    return (base_logits + bias).float()
+
+
+def inverse_cdf_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.LongTensor:
+    """Draws from ``softmax(logits)`` (R, V) at ``uniforms`` (R,) in [0, 1): the smallest v with
+    ``sum_{i <= v} p_i > u`` (computed in float64). The CUDA op samples by the same rule."""
+    cdf = torch.softmax(logits.double(), dim=-1).cumsum(dim=-1)
+    target = uniforms.to(device=logits.device, dtype=torch.float64).reshape(-1, 1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return tokens.clamp_(max=logits.shape[-1] - 1)
+
+
+def confidence_temperatures(draft, device: torch.device | str) -> torch.Tensor | None:
+    """The draft config's calibration temperatures as a float32 tensor on ``device`` (``None`` when
+    uncalibrated).
+
+    Cached on the draft per value and device, so a round makes no host-to-device copy (which also
+    lets CUDA-op calls be captured in a CUDA graph once the cache is warm); a change of
+    ``config.confidence_temperatures`` (recalibration) is picked up on the next call.
+    """
+    temperatures = draft.config.confidence_temperatures
+    if temperatures is None:
+        return None
+    key = (tuple(float(t) for t in temperatures), str(device))
+    cache = getattr(draft, "_dspark_temperature_cache", None)
+    if cache is None or cache[0] != key:
+        cache = (key, torch.tensor(key[0], dtype=torch.float32, device=device))
+        try:
+            draft._dspark_temperature_cache = cache
+        except AttributeError:  # a draft that refuses attributes: build it each call
+            pass
+    return cache[1]
+
+
+def position_confidence(draft, hidden_states: torch.Tensor, k: int, prev: torch.LongTensor,
+                        temperatures: torch.Tensor | None) -> float:
+    """``c_{k+1}`` of one request (draft position ``k``, 0-based) from its hidden state and the
+    previous token ``prev`` (1,), calibrated when ``temperatures`` are given; 1.0 without a
+    confidence head. It never reads the token drawn at position ``k``."""
+    if draft.confidence_head is None:
+        return 1.0
+    logits = confidence_logits(draft, hidden_states[:, k : k + 1], prev.view(1, 1))
+    return float(calibrated_confidences(logits, None if temperatures is None else temperatures[k : k + 1]))
