@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
+from .draft_vocab import markov_bias
 from .modeling_dspark import DSparkDraftModel
 
 
@@ -209,7 +210,7 @@ def serial_sample(
     state = markov.initial_state(batch, hidden_states.device, hidden_states.dtype) if markov is not None else None
     for k in range(gamma):
         if markov is not None:
-            bias, state = markov.step(prev, hidden_states[:, k], state)
+            bias, state = markov_bias(draft, prev, hidden_states[:, k], state)
             logits[:, k] = add_markov_bias(base_logits[:, k], bias)
         if use_processors:
             logits[:, k] = logits_processor(sequence[:, : prefix_len + k], logits[:, k])
@@ -280,7 +281,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
             lm_head_seconds = time.perf_counter() - start
         row = base_logits[:, k - first]
         if markov is not None:
-            bias, state = markov.step(prev, hidden_states[:, k], state)
+            bias, state = markov_bias(draft, prev, hidden_states[:, k], state)
             row = add_markov_bias(row, bias)
         row = row.float()
         if use_processors:
