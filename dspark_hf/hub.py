@@ -210,6 +210,8 @@ def _hf_config_dict(draft: DSparkDraftModel) -> dict:
         auto_map=dict(AUTO_MAP),
         dtype=_dtype_name(draft.fc.weight.dtype),
     )
+    if c.draft_vocab_size is not None:  # a reduced draft vocabulary; its ids are in the weights
+        config["draft_vocab_size"] = c.draft_vocab_size
     config.pop("_name_or_path", None)
     return config
 
@@ -222,6 +224,12 @@ def _deepspec_config_dict(draft: DSparkDraftModel, target: PreTrainedModel | Non
             "This draft drafts at the mask positions (z-lab DFlash layout, anchor_predicts=False); the DeepSpec "
             "layout has no field for that, and an engine reading it would draft at the wrong positions. Export it "
             "with format='hf'."
+        )
+    if c.draft_vocab_size is not None:
+        raise ValueError(
+            f"This draft has a reduced draft vocabulary (draft_vocab_size={c.draft_vocab_size}, draft_vocab_ids in "
+            "its weights); the DeepSpec layout has no field for it, and an engine reading it would take the "
+            "N-wide markov_w2 for a full-vocabulary one. Export it with format='hf'."
         )
     base = None
     if target is not None:
@@ -581,7 +589,7 @@ def render_model_card(
     ).to_yaml()
     block_size = int(config["block_size"])
     own_embeddings = "embed_tokens.weight" in shapes and "lm_head.weight" in shapes
-    params = sum(math.prod(shape) for shape in shapes.values())
+    params = sum(math.prod(shape) for key, shape in shapes.items() if key != "draft_vocab_ids")  # ids: not weights
     facts = [
         ("Layout", "transformers (`model_type: dspark`, remote code)" if layout == "hf"
          else "DeepSpec (`model_type: qwen3`, `Qwen3DSparkModel`)"),
@@ -596,6 +604,9 @@ def render_model_card(
         ("Target layers read", f"{config.get('target_layer_ids')} of {config.get('num_target_layers')}"),
         ("Mask token id", config.get("mask_token_id")),
         ("Embedding / LM head", "stored (copies of the target's)" if own_embeddings else "borrowed from the target"),
+        *([("Draft vocabulary", f"{config['draft_vocab_size']:,} of the {config.get('vocab_size'):,} target tokens "
+            "(`draft_vocab_ids`); the others get draft probability 0 and still come from the target")]
+          if config.get("draft_vocab_size") else []),
         ("Parameters stored", f"{params:,}"),
         ("Weights dtype", config.get("dtype") or config.get("torch_dtype")),
     ]
