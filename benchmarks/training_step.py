@@ -10,6 +10,11 @@ an on-policy data folder and prints
 
     python benchmarks/training_step.py --data data/smollm2-onpolicy --steps 6
 
+``--draft-vocab-size 0 8192 16384`` times drafts with those draft vocabularies (0 = the full one,
+:mod:`dspark_hf.draft_vocab`) in one run, their steps interleaved on the same batches, and prints each
+one's time relative to the first: on a busy machine the ratio means more than the absolute numbers.
+The reduced vocabularies are the most frequent answer tokens of the data folder's records.
+
 Nothing is trained or saved. Run it on a quiet machine: it is a timing.
 """
 
@@ -19,11 +24,15 @@ import argparse
 import gzip
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from dspark_hf.training.datagen import load_onpolicy_corpus
+from dspark_hf.training.draft_vocab_training import (add_target_lse, answer_tokens, select_draft_vocab, special_token_ids,
+                                            token_counts)
 from dspark_hf.training.smollm2 import load_smollm2
 from dspark_hf.training.trainer import TrainingConfig, make_draft, sample_anchors, step_loss, target_features
 
@@ -47,38 +56,55 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--config", type=Path, default=Path("drafts/smollm2-135m-dspark/training_config.json"),
                         help="training_config.json whose draft and batch settings to use")
+    parser.add_argument("--draft-vocab-size", type=int, nargs="+", default=[0],
+                        help="draft vocabulary sizes to time side by side (0 = the full vocabulary)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     known = TrainingConfig.__dataclass_fields__
     settings = json.loads(args.config.read_text()) if args.config.is_file() else {}
-    cfg = TrainingConfig(**{k: v for k, v in settings.items() if k in known})
+    base_cfg = TrainingConfig(**{k: v for k, v in settings.items() if k in known})
     target, _ = load_smollm2()
     target.requires_grad_(False)
-    draft = make_draft(target, cfg)
-    draft.bind_target(target)
-    draft.train()
     head = target.get_output_embeddings()
     vocab = head.weight.shape[0]
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.learning_rate)
+    counts = None
+    if any(args.draft_vocab_size):
+        counts = token_counts(answer_tokens(load_onpolicy_corpus(args.data)), vocab)
+    variants = []  # (label, cfg, draft, optimizer)
+    for size in args.draft_vocab_size:
+        cfg = replace(base_cfg, draft_vocab_size=size or None)
+        ids = select_draft_vocab(counts, size, special_token_ids(target, cfg.mask_token_id)) if size else None
+        torch.manual_seed(cfg.seed)
+        draft = make_draft(target, cfg, ids)
+        draft.bind_target(target)
+        draft.train()
+        optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.learning_rate)
+        variants.append((f"vocabulary {size or vocab}", cfg, draft, optimizer))
+    cfg = base_cfg
 
-    layer_ids = list(draft.config.target_layer_ids)
+    layer_ids = list(base_cfg.target_layer_ids or variants[0][2].config.target_layer_ids)
     items = []
     for record in _records(args.data, cfg.sequences_per_step * (args.steps + 2)):
         ids = torch.tensor((record["prompt_ids"] + record["answer_ids"])[: cfg.max_seq_len])
         context, final = target_features(target, ids, layer_ids)
         items.append({"ids": ids, "answer_start": len(record["prompt_ids"]), "context": context, "final": final})
+    if any(args.draft_vocab_size):
+        add_target_lse(items, head)  # cached with the features in training; not part of a step
     generator = torch.Generator().manual_seed(0)
-
-    def batch(step: int):
+    batches = []
+    for step in range(args.steps + 2):
         chosen = items[step * cfg.sequences_per_step:(step + 1) * cfg.sequences_per_step]
-        return [(item, sample_anchors(item["ids"].numel(), item["answer_start"], cfg.anchors_per_sequence,
-                                      cfg.block_size, generator)) for item in chosen]
+        pairs = [(item, sample_anchors(item["ids"].numel(), item["answer_start"], cfg.anchors_per_sequence,
+                                       cfg.block_size, generator)) for item in chosen]
+        batches.append([(item, anchors) for item, anchors in pairs if anchors.numel()])
 
-    def run_step(step: int) -> tuple[float, float, float, int]:
-        pairs = [(item, anchors) for item, anchors in batch(step) if anchors.numel()]
+    def run_step(variant, step: int) -> tuple[float, float, float, int]:
+        _, step_cfg, draft, optimizer = variant
+        pairs = batches[step]
         start = time.perf_counter()
-        loss = torch.stack([step_loss(draft, head, item, anchors, cfg)["loss"] for item, anchors in pairs]).mean()
+        loss = torch.stack([step_loss(draft, head, item, anchors, step_cfg)["loss"] for item, anchors in pairs]).mean()
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
@@ -88,34 +114,42 @@ def main(argv: list[str] | None = None) -> None:
         blocks = sum(int(anchors.numel()) for _, anchors in pairs)
         return forward - start, backward - forward, done - backward, blocks
 
-    run_step(0)  # warm-up
-    totals = [0.0, 0.0, 0.0]
-    blocks = 0
+    for variant in variants:
+        run_step(variant, 0)  # warm-up
+    totals = [[0.0, 0.0, 0.0] for _ in variants]
+    blocks = [0 for _ in variants]
     for step in range(1, args.steps + 1):
-        f, b, o, n = run_step(step)
-        totals = [totals[0] + f, totals[1] + b, totals[2] + o]
-        blocks += n
-    seconds = sum(totals)
+        for index, variant in enumerate(variants):  # interleaved: each variant sees the same machine load
+            f, b, o, n = run_step(variant, step)
+            totals[index] = [totals[index][0] + f, totals[index][1] + b, totals[index][2] + o]
+            blocks[index] += n
     print(f"{args.steps} steps of {cfg.sequences_per_step} sequences x up to {cfg.anchors_per_sequence} blocks of "
-          f"{cfg.block_size}, {args.threads} threads, vocabulary {vocab}")
-    print(f"per step: {seconds / args.steps * 1e3:.0f} ms = forward {totals[0] / args.steps * 1e3:.0f} + backward "
-          f"{totals[1] / args.steps * 1e3:.0f} + optimiser {totals[2] / args.steps * 1e3:.0f} ms")
-    print(f"throughput: {args.steps * cfg.sequences_per_step / seconds:.2f} sequences/s, {blocks / seconds:.1f} blocks/s")
-
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        run_step(args.steps + 1)
-    by_vocab, other = 0.0, 0.0
-    for event in prof.key_averages(group_by_input_shape=True):
-        if event.key.startswith("ProfilerStep"):
-            continue
-        touches_vocab = any(vocab in (shape or []) for shape in (event.input_shapes or []))
-        if touches_vocab:
-            by_vocab += event.self_cpu_time_total
-        else:
-            other += event.self_cpu_time_total
-    share = by_vocab / max(by_vocab + other, 1e-9)
-    print(f"profiled step: operators on vocabulary-sized tensors {share:.0%} of self CPU time "
-          f"({by_vocab / 1e3:.0f} of {(by_vocab + other) / 1e3:.0f} ms)")
+          f"{cfg.block_size}, {args.threads} threads, target vocabulary {vocab}")
+    first = sum(totals[0])
+    for (label, *_), total, count in zip(variants, totals, blocks):
+        seconds = sum(total)
+        print(f"{label}: per step {seconds / args.steps * 1e3:.0f} ms = forward {total[0] / args.steps * 1e3:.0f} + "
+              f"backward {total[1] / args.steps * 1e3:.0f} + optimiser {total[2] / args.steps * 1e3:.0f} ms; "
+              f"{args.steps * cfg.sequences_per_step / seconds:.2f} sequences/s, {count / seconds:.1f} blocks/s; "
+              f"time x{seconds / first:.2f} of {variants[0][0]}, speed-up x{first / seconds:.2f}")
+    if args.no_profile:
+        return
+    for variant in variants:
+        sizes = {vocab, variant[2].config.draft_vocab_size or vocab}
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            run_step(variant, args.steps + 1)
+        by_vocab, other = 0.0, 0.0
+        for event in prof.key_averages(group_by_input_shape=True):
+            if event.key.startswith("ProfilerStep"):
+                continue
+            touches_vocab = any(sizes & set(shape or []) for shape in (event.input_shapes or []))
+            if touches_vocab:
+                by_vocab += event.self_cpu_time_total
+            else:
+                other += event.self_cpu_time_total
+        share = by_vocab / max(by_vocab + other, 1e-9)
+        print(f"{variant[0]}, profiled step: operators on vocabulary-sized tensors {share:.0%} of self CPU time "
+              f"({by_vocab / 1e3:.0f} of {(by_vocab + other) / 1e3:.0f} ms)")
 
 
 if __name__ == "__main__":

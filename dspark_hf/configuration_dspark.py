@@ -51,6 +51,10 @@ class DSparkConfig(PreTrainedConfig):
             ``x_1``. ``False`` (z-lab DFlash checkpoints): the block is ``[x0, MASK * block_size]``,
             each mask position predicts its own token and the anchor's output is unused, so
             ``block_size`` here is z-lab's ``block_size - 1`` (set when such a config is loaded).
+        draft_vocab_size: ``None`` (default; DeepSpec and z-lab drafts): the draft proposes from the
+            whole vocabulary. ``N``: a reduced draft vocabulary, the N target ids stored as the
+            ``draft_vocab_ids`` tensor of the weights; every other token gets draft probability
+            zero, which keeps decoding lossless (see :mod:`dspark_hf.draft_vocab`).
 
     A z-lab DFlash ``config.json`` (``architectures: ["DFlashDraftModel"]``) is translated on load
     by :meth:`from_dict`; see :func:`translate_zlab_dflash_config`.
@@ -89,6 +93,7 @@ class DSparkConfig(PreTrainedConfig):
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
     anchor_predicts: bool = True
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -223,6 +228,11 @@ class DSparkConfig(PreTrainedConfig):
                 f"mask_token_id {self.mask_token_id} is outside the embedding table (vocab_size {self.vocab_size}); "
                 "pick a token id in [0, vocab_size)."
             )
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} must lie in [1, vocab_size={self.vocab_size}] "
+                "(None = the full vocabulary)."
+            )
         temps = self.confidence_temperatures
         if temps is not None:
             if len(temps) != self.block_size or any(not t > 0 for t in temps):
@@ -288,6 +298,7 @@ _FIELD_TYPES: dict[str, tuple[str, bool]] = {
     "enable_confidence_head": ("bool", False),
     "confidence_head_with_markov": ("bool", False),
     "anchor_predicts": ("bool", False),
+    "draft_vocab_size": ("int", True),
 }
 
 

@@ -52,6 +52,7 @@ from transformers.utils import logging
 
 from .cache_dir import default_cache_dir
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
+from .draft_vocab import cuda_op_markov_w2
 from .policies import offer_until_refused
 from .serial_block import SerialSample, confidence_temperatures, position_confidence
 
@@ -302,9 +303,11 @@ def serial_sample_cuda(
     elif not do_sample:
         uniforms = None
     gated = markov is not None and markov.head_type == "gated"
+    # W2 is vocabulary-wide: a reduced draft vocabulary's is padded with zero rows (its base logits
+    # are -inf there), so the kernels need no change
     weights = (
         markov.markov_w1.weight if markov is not None else None,
-        markov.markov_w2.weight if markov is not None else None,
+        cuda_op_markov_w2(draft) if markov is not None else None,
         markov.gate_proj.weight if gated else None,
         markov.gate_proj.bias if gated else None,
         confidence.proj.weight if confidence is not None else None,

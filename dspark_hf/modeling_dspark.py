@@ -30,6 +30,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import logging
 
+from . import draft_vocab
 from .configuration_dspark import DSparkConfig, target_layer_ids_problem
 from .heads import ConfidenceHead, MarkovHead
 from .settings import DraftRuntimeSettings
@@ -216,6 +217,11 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.markov_head = MarkovHead(config) if config.markov_rank > 0 else None
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+        # Reduced draft vocabulary: its N target ids, saved with the weights (None: the full vocabulary);
+        # the caches hold the gathered LM-head rows and the CUDA op's padded W2 (never saved).
+        size = config.draft_vocab_size
+        self.register_buffer(draft_vocab.BUFFER_NAME, torch.arange(size) if size is not None else None)
+        self._draft_vocab_caches = (draft_vocab.new_cache(), draft_vocab.new_cache())
         # Target modules borrowed when the checkpoint has no copies; a tuple keeps them out of
         # state_dict/parameters so they are neither saved nor moved with the draft.
         self._borrowed: tuple[nn.Module | None, nn.Module | None] = (None, None)
@@ -241,6 +247,7 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         confidence_head_with_markov: bool = True,
         mask_token_id: int | None = None,
         copy_embeddings: bool = False,
+        draft_vocab_ids=None,
     ) -> "DSparkDraftModel":
         """A freshly initialised draft for any transformers causal LM ``target``.
 
@@ -251,9 +258,12 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         ``[1, L - 3]`` of the target's ``L`` layers (never its last layer), as many as draft layers
         but at least 3 (when the target has them); ``mask_token_id`` = the target's pad token when
         it differs from EOS, else the last vocabulary row. Without ``copy_embeddings`` the draft
-        stores no embedding/LM-head and borrows the target's.
+        stores no embedding/LM-head and borrows the target's. ``draft_vocab_ids`` (N distinct target
+        ids) makes a reduced draft vocabulary (:mod:`dspark_hf.draft_vocab`); ``None`` keeps all tokens.
         """
         fields = draft_backbone_fields(target)
+        if draft_vocab_ids is not None:
+            draft_vocab_ids = draft_vocab.as_draft_vocab_ids(draft_vocab_ids, fields["vocab_size"])
         num_target_layers = fields["num_target_layers"]
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
@@ -271,9 +281,12 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
             markov_head_type=markov_head_type,
             enable_confidence_head=confidence_head,
             confidence_head_with_markov=confidence_head_with_markov and confidence_head,
+            draft_vocab_size=None if draft_vocab_ids is None else draft_vocab_ids.numel(),
             architectures=["DSparkDraftModel"],
         )
         draft = cls(config)
+        if draft_vocab_ids is not None:
+            draft.draft_vocab_ids.copy_(draft_vocab_ids)
         if draft.markov_head is not None:
             # A fresh Markov head starts as a zero bias, so an untrained draft behaves like DFlash.
             nn.init.zeros_(draft.markov_head.markov_w2.weight)
@@ -329,6 +342,8 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         missing -= {f"{name}.weight" for name in absent_optional}
         unexpected = set(info.get("unexpected_keys", []))
         mismatched = info.get("mismatched_keys", [])
+        mismatched = draft_vocab.check_loaded_draft_vocab(model, missing, unexpected, mismatched,
+                                                          str(pretrained_model_name_or_path))
         if missing or unexpected or mismatched:
             shapes = [f"{key}: checkpoint {tuple(saved)}, config expects {tuple(expected)}"
                       for key, saved, expected in sorted(mismatched, key=lambda m: m[0])]
@@ -495,9 +510,20 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         return DraftBlockOutput(hidden_states=hidden, logits=self.base_logits(hidden) if compute_logits else None)
 
     def base_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Base logits ``U`` (the LM head) of final-normed hidden states (..., hidden_size)."""
+        """Base logits ``U`` (the LM head) of final-normed hidden states (..., hidden_size), over the
+        whole vocabulary: with a reduced draft vocabulary ``-inf`` outside it (draft probability 0)."""
+        logits = self.draft_vocab_logits(hidden_states)
+        if self.draft_vocab_ids is not None:
+            logits = draft_vocab.scatter_to_vocab(logits, self.draft_vocab_ids, self.config.vocab_size, float("-inf"))
+        return logits.to(hidden_states.device)
+
+    def draft_vocab_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Base logits over the draft vocabulary only: (..., N) in ``draft_vocab_ids`` order for a reduced
+        one (what training computes its loss on), else the full LM head (on the head's device)."""
         head = self._lm_head()
-        return head(hidden_states.to(head.weight.device, head.weight.dtype)).to(hidden_states.device)
+        if self.draft_vocab_ids is None:
+            return head(hidden_states.to(head.weight.device, head.weight.dtype))
+        return draft_vocab.subset_logits(head, hidden_states, self.draft_vocab_ids, self._draft_vocab_caches[0])
 
     def _extend_block_for_mask_predictions(self, input_ids, position_ids):
         """z-lab DFlash layout (``anchor_predicts=False``, inference blocks only): the block

@@ -29,6 +29,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from .heads import calibrated_confidences, confidence_logits
+from .draft_vocab import markov_bias
 from .modeling_dspark import DSparkDraftModel
 from .serial_block import (NON_FINITE_DRAFT_WARNING, SerialSample, add_markov_bias, confidence_temperatures,
                            inverse_cdf_sample, position_confidence)
@@ -62,6 +63,7 @@ class _SerialDraws:
                  generator: torch.Generator | None, uniforms: torch.Tensor | None) -> None:
         batch, gamma = hidden_states.shape[:2]
         device = hidden_states.device
+        self.draft = draft
         self.markov = draft.markov_head
         self.hidden_states = hidden_states
         self.do_sample, self.generator, self.uniforms = do_sample, generator, uniforms
@@ -78,7 +80,7 @@ class _SerialDraws:
         """Draws position ``k`` (0-based) from its base logits ``U_k`` (R, V); returns the float32
         logits it was drawn from (``U_k + B_k`` after the processors). The token is ``self.prev``."""
         if self.markov is not None:
-            bias, self.state = self.markov.step(self.prev, self.hidden_states[:, k], self.state)
+            bias, self.state = markov_bias(self.draft, self.prev, self.hidden_states[:, k], self.state)
             row = add_markov_bias(base_row, bias)
         else:
             row = base_row.float()

@@ -90,9 +90,14 @@ class PastAcceptanceGate(DraftingGate):
         self.last_tokens = 1
 
 
-def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False, prompt=PROMPT, **generate_kwargs):
+def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False, prompt=PROMPT, draft_factory=None,
+                        **generate_kwargs):
+    """``draft_factory(target)`` replaces the default Markov draft (e.g. one with a reduced vocabulary)."""
     target = bigram_target(_log(TARGET_PROBS))
-    draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
+    if draft_factory is None:
+        draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
+    else:
+        draft = draft_factory(target)
     draft.verify_policy = policy
     draft.adaptive_drafting = gate
     torch.manual_seed(seed)

@@ -68,21 +68,24 @@ def target_next_token_table(target) -> torch.Tensor:
 
 
 def markov_draft(target, table: torch.Tensor, block_size: int = 4, confidence_logits: torch.Tensor | None = None,
-                 head_type: str = "vanilla") -> DSparkDraftModel:
+                 head_type: str = "vanilla", draft_vocab_ids=None) -> DSparkDraftModel:
     """A draft proposing ``softmax(table[previous token])`` at every position.
 
     The backbone output is zeroed (final norm weight 0, so ``U_k = 0``) and the Markov head
     realises ``table`` exactly: ``W1`` = identity rows, ``W2`` = ``table.T``. ``confidence_logits[v]``
-    sets ``c_k = sigmoid(confidence_logits[x_{k-1}])``.
+    sets ``c_k = sigmoid(confidence_logits[x_{k-1}])``. With ``draft_vocab_ids`` (a reduced draft
+    vocabulary) it proposes ``softmax(table[previous token, ids])`` on those ids only.
     """
     vocab = table.shape[0]
     draft = DSparkDraftModel.from_target(target, block_size=block_size, markov_rank=vocab,
                                          markov_head_type=head_type,
-                                         confidence_head=confidence_logits is not None).eval()
+                                         confidence_head=confidence_logits is not None,
+                                         draft_vocab_ids=draft_vocab_ids).eval()
     with torch.no_grad():
         draft.norm.weight.zero_()
         draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
-        draft.markov_head.markov_w2.weight.copy_(table.T.contiguous())
+        rows = table.T if draft_vocab_ids is None else table.T[draft.draft_vocab_ids]
+        draft.markov_head.markov_w2.weight.copy_(rows.contiguous())
         if head_type == "gated":  # gate saturated open: sigmoid(40) = 1
             draft.markov_head.gate_proj.weight.zero_()
             draft.markov_head.gate_proj.bias.fill_(40.0)

@@ -127,6 +127,8 @@ def _hf_config_dict(draft: DSparkDraftModel) -> dict:
         auto_map=dict(AUTO_MAP),
         dtype=_dtype_name(draft.fc.weight.dtype),
     )
+    if c.draft_vocab_size is not None:  # a reduced draft vocabulary; its ids are in the weights
+        config["draft_vocab_size"] = c.draft_vocab_size
     config.pop("_name_or_path", None)
     return config
 
@@ -139,6 +141,12 @@ def _deepspec_config_dict(draft: DSparkDraftModel, target: PreTrainedModel | Non
             "This draft drafts at the mask positions (z-lab DFlash layout, anchor_predicts=False); the DeepSpec "
             "layout has no field for that, and an engine reading it would draft at the wrong positions. Export it "
             "with format='hf'."
+        )
+    if c.draft_vocab_size is not None:
+        raise ValueError(
+            f"This draft has a reduced draft vocabulary (draft_vocab_size={c.draft_vocab_size}, draft_vocab_ids in "
+            "its weights); the DeepSpec layout has no field for it, and an engine reading it would take the "
+            "N-wide markov_w2 for a full-vocabulary one. Export it with format='hf'."
         )
     base = None
     if target is not None:

@@ -134,7 +134,7 @@ def render_model_card(
     ).to_yaml()
     block_size = int(config["block_size"])
     own_embeddings = "embed_tokens.weight" in shapes and "lm_head.weight" in shapes
-    params = sum(math.prod(shape) for shape in shapes.values())
+    params = sum(math.prod(shape) for key, shape in shapes.items() if key != "draft_vocab_ids")  # ids: not weights
     facts = [
         ("Layout", "transformers (`model_type: dspark`, remote code)" if layout == "hf"
          else "DeepSpec (`model_type: qwen3`, `Qwen3DSparkModel`)"),
@@ -149,6 +149,9 @@ def render_model_card(
         ("Target layers read", f"{config.get('target_layer_ids')} of {config.get('num_target_layers')}"),
         ("Mask token id", config.get("mask_token_id")),
         ("Embedding / LM head", "stored (copies of the target's)" if own_embeddings else "borrowed from the target"),
+        *([("Draft vocabulary", f"{config['draft_vocab_size']:,} of the {config.get('vocab_size'):,} target tokens "
+            "(`draft_vocab_ids`); the others get draft probability 0 and still come from the target")]
+          if config.get("draft_vocab_size") else []),
         ("Parameters stored", f"{params:,}"),
         ("Weights dtype", config.get("dtype") or config.get("torch_dtype")),
     ]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..draft_vocab import scatter_to_vocab
 from ..heads import calibrated_confidences
 from ..modeling_dspark import DSparkDraftModel
 from .trainer import draft_block_outputs, sample_anchors, serial_logits_teacher_forced
@@ -110,6 +111,8 @@ def collect_confidences(draft: DSparkDraftModel, target_head, items: list[dict],
             continue
         base, hidden, previous, labels = draft_block_outputs(draft, item, anchors)
         logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
+        if draft.draft_vocab_ids is not None:  # q = 0 outside a reduced draft vocabulary
+            logits = scatter_to_vocab(logits, draft.draft_vocab_ids, draft.config.vocab_size, float("-inf"))
         final = item["final"].to(hidden.device, torch.float32)
         positions = anchors[:, None] + torch.arange(gamma) + 1
         p_target = torch.softmax(target_head(final[positions - 1]).float(), -1)

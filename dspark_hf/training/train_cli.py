@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-every", type=int, default=TrainingConfig.save_every)
     parser.add_argument("--prepare-only", action="store_true", help="only build the corpus and the feature cache")
     parser.add_argument("--fp16", action="store_true", help="save the draft in fp16")
+    parser.add_argument("--draft-vocab-size", type=int, default=0,
+                        help="reduced draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,14 +84,15 @@ def main(argv: list[str] | None = None) -> None:
                          confidence_head=not args.no_confidence_head,
                          confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
                          mask_token_id=smollm2.mask_token_id(tokenizer), init_from_draft=args.init_from_draft,
-                         save_every=args.save_every)
+                         save_every=args.save_every, draft_vocab_size=args.draft_vocab_size or None)
     cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
     tokens = sum(min(len(r["prompt_ids"]) + len(r["answer_ids"]), cfg.max_seq_len) for r in records)
     feature_gb = tokens * (len(cfg.target_layer_ids) + 1) * target.config.hidden_size * 2 / 1e9
     logger.warning(f"Feature cache: {len(records)} sequences, {tokens} tokens, ~{feature_gb:.1f} GB, held in memory "
                    "while training (--max-sequences caps it).")
     feature_path = corpus.with_name(f"{corpus.stem}.{tag}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
-    items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len)
+    items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len,
+                                with_target_lse=bool(cfg.draft_vocab_size))
     if args.prepare_only:
         return
     held_out, train_items = items[: cfg.held_out_sequences], items[cfg.held_out_sequences :]

@@ -38,6 +38,8 @@ from transformers.utils import logging
 from ..configuration_dspark import DSparkConfig, hidden_state_indices
 from ..heads import confidence_logits
 from ..modeling_dspark import DSparkDraftModel
+from .draft_vocab_training import (add_target_lse, answer_tokens, coverage, ensure_target_lse, reduced_vocab_loss,
+                                   select_draft_vocab, special_token_ids, target_subset_logits, token_counts)
 
 logger = logging.get_logger(__name__)
 
@@ -75,6 +77,7 @@ class TrainingConfig:
     conf_weight: float = 1.0
     init_from_target: bool = True
     init_from_draft: str | None = None  # warm start: a saved draft folder with the same architecture
+    draft_vocab_size: int | None = None  # reduced draft vocabulary of N ids (dspark_hf.draft_vocab); 0/None = all
     held_out_sequences: int = 32
     save_every: int = 200
     log_every: int = 10
@@ -173,18 +176,25 @@ def target_features(target: PreTrainedModel, input_ids: torch.LongTensor, layer_
 
 
 def build_feature_cache(target: PreTrainedModel, records: list[dict], layer_ids: list[int], path: Path,
-                        max_seq_len: int) -> list[dict]:
-    """Sequences with their target features, cached at ``path`` (recomputed if missing)."""
+                        max_seq_len: int, with_target_lse: bool = False) -> list[dict]:
+    """Sequences with their target features, cached at ``path`` (recomputed if missing).
+
+    ``with_target_lse`` (a reduced draft vocabulary) also stores the target's log-normaliser per
+    position (``target_lse``), adding it to an existing cache that lacks it."""
     if path.exists():
         # memory-mapped: runs trained side by side on one cache share its pages instead of a copy each
         cached = torch.load(path, weights_only=True, mmap=True)
         if cached["layer_ids"] == list(layer_ids) and len(cached["items"]) == len(records):
+            if with_target_lse:
+                ensure_target_lse(cached["items"], target.get_output_embeddings(), path, layer_ids)
             return cached["items"]
     items = []
     for record in tqdm(records, desc="Target features", unit="seq"):
         ids = torch.tensor((record["prompt_ids"] + record["answer_ids"])[:max_seq_len])
         context, final = target_features(target, ids, layer_ids)
         items.append({"ids": ids, "answer_start": len(record["prompt_ids"]), "context": context, "final": final})
+    if with_target_lse:
+        add_target_lse(items, target.get_output_embeddings())
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"layer_ids": list(layer_ids), "items": items}, path)
     return items
@@ -210,9 +220,11 @@ def draft_block_outputs(draft: DSparkDraftModel, item: dict, anchors: torch.Long
         draft.add_context(cache, item["context"][:context_len].to(device, torch.float32)[None],
                           torch.arange(context_len, device=device)[None])
     mask = block_attention_mask(anchors.cpu(), context_len, gamma).to(device)
-    out = draft(block_ids.flatten()[None], block_positions[None], cache, attention_mask=mask[None, None])
+    full_vocab = draft.draft_vocab_ids is None  # a reduced draft vocabulary trains on its N-wide logits
+    out = draft(block_ids.flatten()[None], block_positions[None], cache, attention_mask=mask[None, None],
+                compute_logits=full_vocab)
     hidden = out.hidden_states[0].view(anchors.numel(), gamma, -1)
-    logits = out.logits[0].view(anchors.numel(), gamma, -1)
+    logits = (out.logits[0] if full_vocab else draft.draft_vocab_logits(hidden)).view(anchors.numel(), gamma, -1)
     label_positions = anchors.to(device)[:, None] + offsets + 1
     labels = ids[label_positions]
     previous = ids[label_positions - 1]
@@ -241,6 +253,13 @@ def step_loss(draft, target_head, item, anchors, cfg: TrainingConfig) -> dict[st
     draft_logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
     final = item["final"].to(hidden.device, torch.float32)
     label_positions = anchors.to(hidden.device)[:, None] + torch.arange(cfg.block_size, device=hidden.device) + 1
+    if draft.draft_vocab_ids is not None:  # exact loss from the subset and the cached normaliser
+        with torch.no_grad():
+            target_logits = target_subset_logits(draft, target_head, final[label_positions - 1])
+        lse = item["target_lse"].to(hidden.device)[label_positions - 1]
+        return reduced_vocab_loss(draft_logits, target_logits, lse, labels, draft.draft_vocab_ids, confidence,
+                                  weights=position_weights(cfg.block_size, hidden.device), ce_weight=cfg.ce_weight,
+                                  tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight)
     with torch.no_grad():
         target_logits = target_head(final[label_positions - 1])
     return dspark_loss(draft_logits, target_logits, labels, confidence, ce_weight=cfg.ce_weight,
@@ -248,12 +267,18 @@ def step_loss(draft, target_head, item, anchors, cfg: TrainingConfig) -> dict[st
 
 
 # ------------------------------------------------------------------------------------ training
-def make_draft(target: PreTrainedModel, cfg: TrainingConfig) -> DSparkDraftModel:
+def make_draft(target: PreTrainedModel, cfg: TrainingConfig, draft_vocab_ids=None) -> DSparkDraftModel:
+    """A fresh draft for ``cfg``; ``draft_vocab_ids`` (N ids, see :func:`choose_draft_vocab`) when
+    ``cfg.draft_vocab_size`` asks for a reduced draft vocabulary."""
+    if bool(cfg.draft_vocab_size) != (draft_vocab_ids is not None):
+        raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} needs draft_vocab_ids (choose_draft_vocab), and "
+                         "draft_vocab_ids need a draft_vocab_size; pass both or neither.")
     draft = DSparkDraftModel.from_target(
         target, block_size=cfg.block_size, num_hidden_layers=cfg.num_hidden_layers,
         target_layer_ids=cfg.target_layer_ids, markov_rank=cfg.markov_rank,
         markov_head_type=cfg.markov_head_type, confidence_head=cfg.confidence_head,
         confidence_head_with_markov=cfg.confidence_head_with_markov, mask_token_id=cfg.mask_token_id,
+        draft_vocab_ids=draft_vocab_ids,
     )
     draft = draft.float()
     draft.config.num_anchors = cfg.anchors_per_sequence  # DeepSpec's field records what training used
@@ -273,7 +298,8 @@ def init_from_saved_draft(draft: DSparkDraftModel, path: str | Path) -> None:
     """
     saved = DSparkDraftModel.from_pretrained(path, torch_dtype=torch.float32)
     for key in ("block_size", "num_hidden_layers", "markov_rank", "markov_head_type", "target_layer_ids",
-                "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size"):
+                "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size",
+                "draft_vocab_size"):
         mine, theirs = getattr(draft.config, key, None), getattr(saved.config, key, None)
         if mine != theirs:
             raise ValueError(f"--init-from-draft {path}: its {key} is {theirs!r} but this run trains {mine!r}; "
@@ -325,8 +351,8 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
     torch.manual_seed(cfg.seed)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     target.requires_grad_(False)
-    draft = make_draft(target, cfg)
     target_head = target.get_output_embeddings()
+    draft = make_draft(target, cfg, choose_draft_vocab(target, items, cfg) if cfg.draft_vocab_size else None)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
@@ -373,8 +399,8 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        window.append({key: torch.stack([p[key] for p in parts]).mean(0) for key in ("ce", "tv", "bce", "accuracy")}
-                      | {"loss": loss.detach()})
+        keys = ("ce", "tv", "bce", "accuracy") + (("label_outside_share",) if "label_outside_share" in parts[0] else ())
+        window.append({key: torch.stack([p[key] for p in parts]).mean(0) for key in keys} | {"loss": loss.detach()})
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
             means = {key: torch.stack([w[key] for w in window]).mean(0) for key in window[0]}
             acc = means.pop("accuracy").tolist()
@@ -391,3 +417,16 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
     draft.eval()
     unwrapped.save_pretrained(output_dir)
     return unwrapped
+
+
+def choose_draft_vocab(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig) -> torch.LongTensor:
+    """The ``cfg.draft_vocab_size`` most frequent answer tokens of ``items`` plus the special ids
+    (:func:`dspark_hf.training.draft_vocab_training.select_draft_vocab`); makes sure every item has its
+    ``target_lse`` (computed here when missing) and logs the training-answer coverage."""
+    tokens = answer_tokens(items)
+    ids = select_draft_vocab(token_counts(tokens, target.config.get_text_config().vocab_size), cfg.draft_vocab_size,
+                             special_token_ids(target, cfg.mask_token_id))
+    add_target_lse(items, target.get_output_embeddings())
+    logger.warning(f"Draft vocabulary: {ids.numel()} ids hold {coverage(ids, tokens):.2%} of the training answer "
+                   "tokens; cross-entropy skips labels outside it (label_outside_share in the log).")
+    return ids
