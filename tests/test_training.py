@@ -142,3 +142,27 @@ def test_warm_start_from_a_saved_draft_copies_its_weights_and_refuses_a_mismatch
     assert not torch.equal(fresh.fc.weight, saved.fc.weight)
     with pytest.raises(ValueError, match="markov_rank"):
         make_draft(target, dataclasses.replace(cfg, markov_rank=4, init_from_draft=str(tmp_path / "v1")))
+
+
+def test_a_reduced_vocabulary_draft_warm_starts_from_a_full_one_with_its_markov_rows(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    target, items, cfg = _bigram_setup(tmp_path)
+    torch.manual_seed(6)
+    saved = make_draft(target, cfg)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    saved.save_pretrained(tmp_path / "full")
+    ids = torch.tensor([0, 2, 3, 5, 8, 11])
+    reduced_cfg = dataclasses.replace(cfg, draft_vocab_size=ids.numel(), init_from_draft=str(tmp_path / "full"))
+    warm = make_draft(target, reduced_cfg, ids)
+    assert torch.equal(warm.draft_vocab_ids, ids)
+    assert torch.equal(warm.markov_head.markov_w2.weight, saved.markov_head.markov_w2.weight[ids])
+    assert torch.equal(warm.markov_head.markov_w1.weight, saved.markov_head.markov_w1.weight)
+    assert torch.equal(warm.fc.weight, saved.fc.weight)
+    warm.save_pretrained(tmp_path / "reduced")
+    with pytest.raises(ValueError, match="draft_vocab_size"):  # the other way round is refused
+        make_draft(target, dataclasses.replace(cfg, init_from_draft=str(tmp_path / "reduced")))

@@ -294,17 +294,24 @@ def init_from_saved_draft(draft: DSparkDraftModel, path: str | Path) -> None:
     """Starts training from a saved draft's weights (a warm start, e.g. v1 -> v2 on more data).
 
     The saved draft must have this run's architecture; its embedding and LM head, when saved, are
-    ignored because training borrows the target's frozen ones.
+    ignored because training borrows the target's frozen ones. One difference is allowed: a
+    full-vocabulary draft may start a reduced-vocabulary one (``draft_vocab_ids``), whose N-wide
+    ``markov_w2`` then starts from the saved rows of those ids.
     """
     saved = DSparkDraftModel.from_pretrained(path, torch_dtype=torch.float32)
+    narrowing = saved.draft_vocab_ids is None and draft.draft_vocab_ids is not None
     for key in ("block_size", "num_hidden_layers", "markov_rank", "markov_head_type", "target_layer_ids",
                 "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size",
                 "draft_vocab_size"):
         mine, theirs = getattr(draft.config, key, None), getattr(saved.config, key, None)
-        if mine != theirs:
+        if mine != theirs and not (narrowing and key == "draft_vocab_size"):
             raise ValueError(f"--init-from-draft {path}: its {key} is {theirs!r} but this run trains {mine!r}; "
                              "pass training options that match the saved draft, or start without it.")
     weights = {k: v for k, v in saved.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    if narrowing:
+        weights["draft_vocab_ids"] = draft.draft_vocab_ids
+        if "markov_head.markov_w2.weight" in weights:
+            weights["markov_head.markov_w2.weight"] = weights["markov_head.markov_w2.weight"][draft.draft_vocab_ids]
     missing, unexpected = draft.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
     if missing or unexpected:
