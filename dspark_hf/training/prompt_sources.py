@@ -96,7 +96,7 @@ def dm_math_source(per_module: int = 24, seed: int = 0) -> list[Prompt]:
     that still fail (those using ``ndarray.itemset``, also removed) are skipped and named in the
     log. The package iterates Python sets and sympy draws primes from its own generator, so a few
     questions (statement order in composed ones, primes, variable letters) differ between runs
-    with the same seed: the prompt plan written by :mod:`dspark_hf.datagen` is the record.
+    with the same seed: the prompt plan written by :mod:`dspark_hf.training.datagen` is the record.
     """
     import numpy as np
 
