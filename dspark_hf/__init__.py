@@ -4,7 +4,8 @@ After ``import dspark_hf``, ``target.generate(**inputs, assistant_model=draft)``
 :class:`DSparkDraftModel` runs DSpark decoding (greedy or sampling, output unchanged).
 """
 
-from .candidate_generator import DSparkCandidateGenerator, DSparkGenerationStats, RoundStats
+from .candidate_generator import DSparkCandidateGenerator
+from .rounds import DSparkGenerationStats, RoundStats
 from .configuration_dspark import DSparkConfig, is_dspark_config
 from .cost_model import StepCostModel
 from .cpu_fast_path import optimize_for_cpu
