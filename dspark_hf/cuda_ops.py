@@ -51,6 +51,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
+from .rounds import offer_until_refused
 from .sampling import SerialSample, position_confidence
 from .scheduler import default_cache_dir
 
@@ -484,13 +485,8 @@ def dispatch_admitted(
             temperature=processor_temperature(logits_processor),
             uniforms=uniforms[:, :num_positions] if uniforms is not None else None, generator=generator,
         )
-        keep = 1
         later = result.confidences[0, 1:].tolist() if has_confidence else [1.0] * (num_positions - 1)
-        for c in later:
-            offered.append(c)
-            if not admission(c):
-                break
-            keep += 1
+        keep = 1 + offer_until_refused(admission, later, offered=offered)
     if result is None:
         tokens = torch.empty(1, 0, dtype=torch.long, device=device)
         logits = torch.empty(1, 0, stand_in.shape[-1], device=device)

@@ -44,6 +44,7 @@ from transformers.utils import logging
 
 from .cost_model import StepCostModel, monotone_step_times
 from .cpu_fast_path import is_optimized_for_cpu
+from .rounds import offer_until_refused
 
 
 logger = logging.get_logger(__name__)
@@ -134,14 +135,7 @@ class VerifyPolicy:
         Returns:
             How many leading draft tokens to verify, in ``0..len(confidences)``.
         """
-        offer = self.start_round()
-        keep = 0
-        for k, c in enumerate(_as_float_list(confidences), start=1):
-            _check_confidence(c, k)
-            if not offer(c):
-                break
-            keep = k
-        return keep
+        return offer_until_refused(self.start_round(), _as_float_list(confidences), validate=_check_confidence)
 
     def admit_batch(self, confidences_per_request: Sequence[Sequence[float]]) -> list[int]:
         """Decides the verification lengths of ``R`` requests decoded together.
@@ -414,11 +408,7 @@ class PrefixScheduler(VerifyPolicy):
         one (or up to ``Theta_n`` when every position improves).
         """
         trace: list[float] = []
-        offer = self.start_round(trace)
-        for k, c in enumerate(_as_float_list(confidences), start=1):
-            _check_confidence(c, k)
-            if not offer(c):
-                break
+        offer_until_refused(self.start_round(trace), _as_float_list(confidences), validate=_check_confidence)
         return trace
 
     # -- many requests -------------------------------------------------------------------------
