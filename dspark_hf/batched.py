@@ -253,6 +253,12 @@ class BatchedDSparkGeneration:
         self.done: set[int] = set()
         self.rows = list(range(self.num_rows))  # original index of each running row
         self.warned_non_finite = False
+        # Set by prefill(): both caches in the ragged slot layout, the slots' validity mask, each
+        # running row's next position, each row's first prompt token; by verify(): the slots' positions.
+        self.cache: DynamicCache | None = None
+        self.draft_cache: DraftContextCache | None = None
+        self.slot_mask = self.next_position = self.verify_positions = None
+        self.first_real: list[int] = []
 
     # ----------------------------------------------------------------------------------- helpers
     def process(self, scores: torch.Tensor) -> torch.Tensor:
@@ -363,7 +369,8 @@ class BatchedDSparkGeneration:
         offsets = torch.arange(self.gamma, device=self.device)
         block = self.draft(block_ids, self.next_position[:, None] + offsets, self.draft_cache, compute_logits=False)
         plan.draft_rows = torch.tensor(wanting, device=self.device)
-        hidden = block.hidden_states if len(wanting) == active else block.hidden_states[plan.draft_rows]
+        hidden = (block.hidden_states if len(wanting) == active
+                  else block.hidden_states[plan.draft_rows.to(block.hidden_states.device)])
         base_logits = self.draft.base_logits(hidden)
         anchors = plan.anchors[plan.draft_rows]
         t1 = time.perf_counter()
