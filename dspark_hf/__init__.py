@@ -5,7 +5,7 @@ After ``import dspark_hf``, ``target.generate(**inputs, assistant_model=draft)``
 """
 
 from .auto_classes import register_auto_classes
-from .candidate_generator import DSparkCandidateGenerator, DSparkGenerationStats, RoundStats
+from .candidate_generator import DSparkCandidateGenerator
 from .checkpoint_formats import checkpoint_format
 from .configuration_dspark import DSparkConfig, is_dspark_config
 from .cost_model import StepCostModel
@@ -17,6 +17,7 @@ from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .sampling import SerialSample, serial_sample
 from .drafting_gate import DraftingGate
 from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from .rounds import DSparkGenerationStats, RoundStats
 from .step_rates import profile_sps, shared_cost_model
 
 __version__ = "0.1.0"

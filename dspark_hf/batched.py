@@ -1,18 +1,23 @@
 """Batched DSpark generation: ``target.generate(input_ids, attention_mask=..., assistant_model=draft)``
 with R > 1 (left-padded) prompts, which transformers' assisted decoding refuses.
 
-One round for the R' rows still running:
+One round for the R' rows still running (:class:`BatchedDSparkGeneration`, one method per step):
 
-1. one draft forward over the R' blocks ``[x0_r, MASK * (gamma - 1)]`` and serial sampling of all
-   rows together (confidences ``c_{r,k}``);
-2. ``policy.admit_batch`` over every row's confidences (paper Algorithm 1: candidates ``(r, k)``
-   admitted by descending prefix survival while the expected throughput
+1. choose sources: with context lookup on, each row compares its own lookup proposal (copied from
+   its prompt and generated text) with what DSpark delivered for it lately, from its own past
+   rounds only (:func:`dspark_hf.rounds.choose_lookup`); rows that pick lookup skip drafting;
+2. draft: one draft forward over the R' blocks ``[x0_r, MASK * (gamma - 1)]`` and serial sampling
+   of the rows that draft (confidences ``c_{r,k}``); no draft forward when no row needs one, or
+   when the drafting gate says drafting does not pay;
+3. schedule: ``policy.admit_batch`` over the drafted rows' confidences (paper Algorithm 1:
+   candidates ``(r, k)`` admitted by descending prefix survival while the expected throughput
    ``E * SPS(total verified tokens)`` improves, with the early stop that keeps it lossless);
-3. one target forward over the ragged verification batch ``[x0_r, d_{r,1..k_r}]`` (right-padded
-   to the longest row);
-4. per-row acceptance (greedy match, or speculative sampling against the draft's exact logits)
-   and per-row rollback; rows that finished (EOS, length) leave the batch and stop costing
-   verification.
+4. verify: one target forward over the ragged batch ``[x0_r, d_{r,1..k_r}]`` (right-padded to the
+   longest row);
+5. accept: per row, a greedy match, or speculative sampling against the draft's exact logits
+   (``q`` one-hot for a lookup copy);
+6. roll back and emit: per-row rollback of both caches; rows that finished (EOS, length, a
+   stopping criterion) leave the batch and stop costing verification.
 
 Ragged caches: rows accept different numbers of tokens, so after a round row r has ``n_r + 1``
 valid new slots (anchor + accepted draft tokens) out of the ``1 + max_k`` appended. Both the
@@ -32,7 +37,9 @@ Anything else (a repetition penalty, a streamer, scores in the output, ``use_cac
 
 from __future__ import annotations
 
+import copy
 import time
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel
@@ -50,10 +57,13 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingC
 
 from transformers.utils import logging
 
-from .candidate_generator import DSparkGenerationStats, RoundStats
+from .candidate_generator import lookup_step_rates
 from .configuration_dspark import hidden_state_indices
+from .context_lookup import LookupProposal, SourceChooser
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
-from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
+from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
+                     record_source_round)
+from .sampling import NON_FINITE_DRAFT_WARNING, SerialSample, serial_sample
 from .settings import record_generation_stats, resolve_settings
 from .stopping import first_stops, positional_criteria
 
@@ -113,42 +123,18 @@ def _select_rows(target_cache: DynamicCache, draft_cache: DraftContextCache, kee
     draft_cache.key_mask = draft_cache.key_mask[keep.to(draft_cache.key_mask.device)]
 
 
-def _speculative_accept(draft_tokens, draft_logits, target_logits, lengths):
-    """Per-row speculative sampling (Leviathan et al.). draft_tokens (R, K), draft_logits (R, K, V),
-    target_logits (R, K + 1, V) after processors, lengths k_r (R,). Returns (accepted n_r, next token)."""
-    rows, width = draft_tokens.shape
-    p = torch.softmax(target_logits, dim=-1)
-    if width == 0:
-        return torch.zeros(rows, dtype=torch.long, device=p.device), torch.multinomial(p[:, 0], 1).squeeze(1)
-    q = torch.softmax(draft_logits, dim=-1)
-    p_tok = p[:, :width].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    q_tok = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    accept = torch.rand(rows, width, device=p.device) * q_tok <= p_tok  # u < p/q without dividing by 0
-    accept &= torch.arange(width, device=p.device)[None] < lengths[:, None]
-    accepted = accept.int().cumprod(dim=1).sum(dim=1)
-    row_index = torch.arange(rows, device=p.device)
-    p_next = p[row_index, accepted]
-    rejected = accepted < lengths
-    residual = (p_next - q[row_index, accepted.clamp(max=width - 1)]).clamp(min=0)
-    residual_sum = residual.sum(-1, keepdim=True)
-    # On a rejection the next token comes from norm(max(0, p - q)); after a full acceptance from p.
-    use_residual = rejected[:, None] & (residual_sum > 0)
-    distribution = torch.where(use_residual, residual / residual_sum.clamp(min=1e-30), p_next)
-    return accepted, torch.multinomial(distribution, 1).squeeze(1)
-
-
-def _check_sliding_window(cache: DynamicCache, max_tokens: int, gamma: int) -> None:
+def _check_sliding_window(cache: DynamicCache, max_tokens: int, longest_proposal: int) -> None:
     """Refuses a sliding-window target whose window the ragged slots could reach.
 
     Rows keep rejected and padding slots (masked) between compactions, so a sliding-window layer
     would count slots, not tokens, and drop context the target alone still sees. Below the window
     it is plain causal attention and exact. Compaction keeps at most max(32, 2 x tokens) slots, and
-    a round adds gamma + 1.
+    a round adds one more than the longest proposal (gamma, or a longer context-lookup proposal).
     """
     windows = [layer.sliding_window for layer in cache.layers if getattr(layer, "sliding_window", None)]
     if not windows:
         return
-    slots = max(32, 2 * max_tokens) + gamma + 1
+    slots = max(32, 2 * max_tokens) + longest_proposal + 1
     if slots >= min(windows) - 1:
         raise ValueError(
             f"Batched DSpark generation keeps up to {slots} cache slots for {max_tokens} tokens (prompt + "
@@ -156,6 +142,391 @@ def _check_sliding_window(cache: DynamicCache, max_tokens: int, gamma: int) -> N
             "result would differ from the target alone. Lower max_new_tokens or the prompt length to stay "
             "below half the window, or generate one prompt at a time (batch size 1 has no such limit)."
         )
+
+
+
+def _speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, target_logits: torch.Tensor,
+                        draft_logits: torch.Tensor | None, draft_rows: torch.Tensor | None):
+    """Per-row speculative sampling (Leviathan et al.).
+
+    Args:
+        proposed: the proposed tokens, (R, K); row r proposes its first ``lengths[r]``.
+        lengths: (R,).
+        target_logits: the target's processed logits at the anchor and every proposed slot, (R, K + 1, V).
+        draft_logits: the exact logits the drafted rows' tokens were drawn from, (D, K_d, V).
+        draft_rows: which rows those are, (D,). Every other row's proposal is deterministic (a
+            context-lookup copy): ``q`` is one-hot at its token.
+
+    Returns:
+        (accepted ``n_r``, next token) per row. Position k is kept with probability
+        ``min(1, p/q)``; after a rejection the next token comes from ``norm(max(0, p - q))``, which
+        for a one-hot ``q`` is ``p`` without the rejected token; after a full acceptance from ``p``.
+    """
+    rows, width = proposed.shape
+    p = torch.softmax(target_logits, dim=-1)
+    if width == 0:
+        return torch.zeros(rows, dtype=torch.long, device=p.device), torch.multinomial(p[:, 0], 1).squeeze(1)
+    row_index = torch.arange(rows, device=p.device)
+    p_tok = p[:, :width].gather(-1, proposed[..., None]).squeeze(-1)
+    q_tok = torch.ones_like(p_tok)
+    drafted = draft_rows is not None and draft_rows.numel() > 0
+    if drafted:
+        q = torch.softmax(draft_logits, dim=-1)
+        drafted_width = min(width, q.shape[1])
+        q_tok[draft_rows, :drafted_width] = q[:, :drafted_width].gather(
+            -1, proposed[draft_rows, :drafted_width, None]).squeeze(-1)
+    # u < p/q without dividing by 0; strict, so a token the target gives probability 0 is never kept.
+    accept = torch.rand(rows, width, device=p.device) * q_tok < p_tok
+    accept &= torch.arange(width, device=p.device)[None] < lengths[:, None]
+    accepted = accept.int().cumprod(dim=1).sum(dim=1)
+    p_next = p[row_index, accepted]
+    at = accepted.clamp(max=width - 1)
+    q_next = torch.zeros_like(p_next).scatter_(-1, proposed[row_index, at][:, None], 1.0)
+    if drafted:
+        q_next[draft_rows] = q[torch.arange(draft_rows.numel(), device=p.device),
+                               accepted[draft_rows].clamp(max=drafted_width - 1)]
+    residual = (p_next - q_next).clamp(min=0)
+    residual_sum = residual.sum(-1, keepdim=True)
+    use_residual = (accepted < lengths)[:, None] & (residual_sum > 0)
+    distribution = torch.where(use_residual, residual / residual_sum.clamp(min=1e-30), p_next)
+    return accepted, torch.multinomial(distribution, 1).squeeze(1)
+
+
+@dataclass
+class RoundPlan:
+    """What one round verifies for the ``A`` running rows (indices are positions among them)."""
+
+    anchors: torch.LongTensor  # x0 of each row, (A,)
+    lengths: list[int]  # proposed tokens each row verifies
+    lookups: dict[int, LookupProposal] = field(default_factory=dict)  # rows verifying a lookup copy
+    drafting: bool = False  # whether the draft ran
+    draft_rows: torch.Tensor | None = None  # rows that drafted, (D,)
+    sample: SerialSample | None = None  # their serial sample
+    draft_time: float = 0.0
+    serial_time: float = 0.0
+    schedule_time: float = 0.0  # lookup search, admission and EOS cut
+
+
+class BatchedDSparkGeneration:
+    """One call of batched DSpark decoding: settings, caches, rows, statistics.
+
+    :meth:`run` reads as the round: prefill once; then per round drop finished rows, choose each
+    row's source, draft, schedule, verify, accept, roll back, emit, record. Each step is a method.
+    """
+
+    def __init__(self, target: PreTrainedModel, draft: DSparkDraftModel, input_ids: torch.LongTensor,
+                 attention_mask: torch.Tensor | None, logits_processor: LogitsProcessorList | None,
+                 generation_config: GenerationConfig, stopping_criteria: StoppingCriteriaList | None) -> None:
+        draft.bind_target(target)
+        self.target, self.draft, self.input_ids = target, draft, input_ids
+        self.attention_mask_arg = attention_mask
+        self.device, self.draft_device = input_ids.device, draft.fc.weight.device
+        self.num_rows, self.prompt_len = input_ids.shape
+        self.gamma = draft.config.block_size
+        self.do_sample = bool(generation_config.do_sample)
+        self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+        eos = generation_config._eos_token_tensor
+        self.eos_ids = eos.to(self.device).flatten() if eos is not None else None
+        pad = generation_config._pad_token_tensor
+        self.pad_id = int(pad) if pad is not None else (int(self.eos_ids[0]) if self.eos_ids is not None else 0)
+        self.max_new = generation_config.max_length - self.prompt_len
+        if self.max_new < 1:
+            raise ValueError(f"max_length {generation_config.max_length} leaves no room after the "
+                             f"{self.prompt_len}-token prompt.")
+        settings = resolve_settings(draft, target, generation_config, self.num_rows)  # this call's, never the draft's
+        self.policy, self.gate, self.max_draft_tokens = settings.policy, settings.gate, settings.max_draft_tokens
+        lookup = settings.lookup
+        # Each row learns its own lookup acceptance and DSpark rate: rows differ in how much they copy.
+        self.choosers = [SourceChooser(copy.deepcopy(lookup)) for _ in range(self.num_rows)] if lookup else None
+        self.longest_proposal = max(self.gamma, lookup.max_tokens if lookup else 0)
+        self.layer_indices = hidden_state_indices(draft.config.target_layer_ids)
+        self.stats = DSparkGenerationStats(block_size=self.gamma)
+        record_generation_stats(draft, self.stats)
+        # EOS and length are enforced as tokens are emitted; other criteria are checked per position.
+        self.positional = positional_criteria(stopping_criteria, generation_config)
+        self.clocks = [c for c in stopping_criteria or [] if type(c) is MaxTimeCriteria]
+        # Every row's whole sequence (left-padded prompt, then its tokens, then padding): the lookup
+        # reads it, the stopping criteria see it, and it is the output.
+        self.sequences = torch.full((self.num_rows, self.prompt_len + self.max_new), self.pad_id,
+                                    dtype=torch.long, device=self.device)
+        self.sequences[:, : self.prompt_len] = input_ids
+        self.num_generated = [0] * self.num_rows
+        self.done: set[int] = set()
+        self.rows = list(range(self.num_rows))  # original index of each running row
+        self.warned_non_finite = False
+        # Set by prefill(): both caches in the ragged slot layout, the slots' validity mask, each
+        # running row's next position, each row's first prompt token; by verify(): the slots' positions.
+        self.cache: DynamicCache | None = None
+        self.draft_cache: DraftContextCache | None = None
+        self.slot_mask = self.next_position = self.verify_positions = None
+        self.first_real: list[int] = []
+
+    # ----------------------------------------------------------------------------------- helpers
+    def process(self, scores: torch.Tensor) -> torch.Tensor:
+        """The call's logits processors; they are sequence-free, so rows are independent."""
+        return self.processors(self.input_ids[:1], scores) if self.processors is not None else scores
+
+    def pick(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(-1) if self.do_sample else scores.argmax(-1)
+
+    def features(self, outputs, width: int) -> torch.Tensor:
+        """The target hidden states the draft reads, for the last ``width`` slots."""
+        return torch.cat([outputs.hidden_states[i][:, -width:] for i in self.layer_indices],
+                         dim=-1).to(self.draft_device)
+
+    def run(self) -> torch.LongTensor:
+        """Generates; returns ``(R, prompt + longest generation)`` token ids, early rows padded."""
+        self.prefill()
+        while self.drop_finished_rows():
+            round_start = time.perf_counter()
+            plan = self.choose_sources()
+            self.draft_block(plan)
+            self.schedule(plan)
+            verify_start = time.perf_counter()
+            outputs, verify_ids, target_logits = self.verify(plan)
+            accepted, next_tokens = self.accept(plan, verify_ids, target_logits)
+            self.roll_back(outputs, verify_ids.shape[1], accepted)
+            self.emit(verify_ids, accepted, next_tokens)
+            self.record(plan, accepted.tolist(), round_start, verify_start)
+            if self.slot_mask.shape[1] > 32 and self.slot_mask.shape[1] > 2 * int(self.slot_mask.sum(dim=1).max()):
+                self.slot_mask = _compact(self.cache, self.draft_cache, self.slot_mask)
+        longest = max(self.num_generated)
+        return self.sequences[:, : self.prompt_len + longest].clone()
+
+    # ----------------------------------------------------------------------------------- steps
+    def prefill(self) -> None:
+        """The target over the padded prompts; the draft's context gets every prompt slot."""
+        mask = (self.input_ids.new_ones(self.input_ids.shape) if self.attention_mask_arg is None
+                else self.attention_mask_arg).bool()
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        self.first_real = mask.int().argmax(dim=1).tolist()  # where each row's prompt starts
+        self.cache = DynamicCache(config=self.target.config)
+        _check_sliding_window(self.cache, self.prompt_len + self.max_new, self.longest_proposal)
+        start = time.perf_counter()
+        outputs = self.target(self.input_ids, attention_mask=mask.long(), position_ids=positions, cache=self.cache,
+                              use_cache=True, output_hidden_states=self.layer_indices, logits_to_keep=1)
+        first = self.pick(self.process(outputs.logits[:, -1].float()))
+        self.draft_cache = self.draft.new_cache()
+        self.draft.add_context(self.draft_cache, self.features(outputs, self.prompt_len),
+                               positions.to(self.draft_device), mask.to(self.draft_device))
+        self.stats.prefill_time = time.perf_counter() - start
+        self.slot_mask = mask.clone()
+        self.next_position = positions[:, -1] + 1
+        self.emit_tokens(first[:, None], torch.ones_like(first))
+        self.check_stops({r: 0 for r in range(self.num_rows)})
+
+    def drop_finished_rows(self) -> bool:
+        """Removes finished rows from both caches; False when none is left or ``max_time`` ran out."""
+        keep = [i for i, r in enumerate(self.rows) if r not in self.done]
+        if not keep:
+            return False
+        if any(bool(clock(self.input_ids[:1], None).any()) for clock in self.clocks):  # once a round
+            return False
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, device=self.device)
+            _select_rows(self.cache, self.draft_cache, index)
+            self.slot_mask, self.next_position = self.slot_mask[index], self.next_position[index]
+            self.rows = [self.rows[i] for i in keep]
+        return True
+
+    def choose_sources(self) -> RoundPlan:
+        """Each row's lookup proposal, kept where its chooser values it above DSpark for this row
+        (from the row's own context and past rounds only)."""
+        anchors = self.sequences[self.rows, [self.prompt_len + self.num_generated[r] - 1 for r in self.rows]]
+        plan = RoundPlan(anchors=anchors, lengths=[0] * len(self.rows))
+        if self.choosers is None:
+            return plan
+        start = time.perf_counter()
+        sps = self.lookup_sps()
+        for i, r in enumerate(self.rows):
+            chooser, end = self.choosers[r], self.prompt_len + self.num_generated[r]
+            budget = min(chooser.lookup.max_tokens, self.max_new - self.num_generated[r] - 1)
+            proposal, keep = choose_lookup(chooser, self.sequences[r, self.first_real[r]: end], budget, sps,
+                                           self.eos_ids)
+            if keep > 0:
+                plan.lookups[i], plan.lengths[i] = proposal, keep
+        plan.schedule_time += time.perf_counter() - start
+        return plan
+
+    def lookup_sps(self) -> tuple[float, ...]:
+        return lookup_step_rates(self.policy, self.target, self.choosers[0].lookup.max_tokens)
+
+    def budget(self, row: int) -> int:
+        """Draft positions row ``row`` (original index) may verify before its length limit."""
+        return min(self.max_draft_tokens, self.max_new - self.num_generated[row] - 1)
+
+    def draft_block(self, plan: RoundPlan) -> None:
+        """One draft forward over every running row (they share the context cache) and serial
+        sampling of the rows that draft; skipped when no row needs it or the gate says drafting
+        does not pay."""
+        wanting = [i for i, r in enumerate(self.rows) if i not in plan.lookups and self.budget(r) > 0]
+        if not wanting or (self.gate is not None and not self.gate.should_draft()):
+            return
+        t0 = time.perf_counter()
+        active = len(self.rows)
+        block_ids = torch.full((active, self.gamma), self.draft.config.mask_token_id, dtype=torch.long,
+                               device=self.device)
+        block_ids[:, 0] = plan.anchors
+        offsets = torch.arange(self.gamma, device=self.device)
+        block = self.draft(block_ids, self.next_position[:, None] + offsets, self.draft_cache, compute_logits=False)
+        plan.draft_rows = torch.tensor(wanting, device=self.device)
+        hidden = (block.hidden_states if len(wanting) == active
+                  else block.hidden_states[plan.draft_rows.to(block.hidden_states.device)])
+        base_logits = self.draft.base_logits(hidden)
+        anchors = plan.anchors[plan.draft_rows]
+        t1 = time.perf_counter()
+        plan.sample = serial_sample(self.draft, base_logits, hidden, anchors, do_sample=self.do_sample,
+                                    logits_processor=self.processors,
+                                    prefix_ids=anchors[:, None] if self.processors else None)
+        plan.drafting = True
+        plan.draft_time, plan.serial_time = t1 - t0, time.perf_counter() - t1
+
+    def schedule(self, plan: RoundPlan) -> None:
+        """The policy's verification lengths over the drafted rows' confidences (``admit_batch``:
+        one budget shared by every running row, each row's anchor counted), then each cut after its
+        first drafted EOS. Rows that verify a lookup copy or have no room offer no positions."""
+        if not plan.drafting:
+            return
+        start = time.perf_counter()
+        sample, drafted = plan.sample, plan.draft_rows.tolist()
+        budgets = [self.budget(self.rows[i]) for i in drafted]
+        # A row whose draft distribution or confidences are not finite (float16 overflow) verifies
+        # nothing this round: it offers the policy no positions. Its flag travels with the confidences.
+        finite = sample.finite_rows()
+        if sample.confidences is not None:
+            read = torch.cat([sample.confidences, finite[:, None].to(sample.confidences)], dim=1).tolist()
+            fine = [bool(row[-1]) for row in read]
+            offers = [row[:b] if ok else [] for row, b, ok in zip(read, budgets, fine)]
+        else:
+            fine = finite.tolist()
+            offers = [[1.0] * b if ok else [] for b, ok in zip(budgets, fine)]
+        per_row: list[list[float]] = [[] for _ in self.rows]
+        for i, offer in zip(drafted, offers):
+            per_row[i] = offer
+        admitted = self.policy.admit_batch(per_row)
+        lengths = [admitted[i] for i in drafted]
+        if not all(fine):
+            lengths = [k if ok else 0 for k, ok in zip(lengths, fine)]
+            self.warn_non_finite()
+        lengths = cut_after_first_eos(sample.tokens, torch.tensor(lengths, device=sample.tokens.device),
+                                      self.eos_ids).tolist()
+        for i, k in zip(drafted, lengths):
+            plan.lengths[i] = k
+        plan.schedule_time += time.perf_counter() - start
+
+    def warn_non_finite(self) -> None:
+        if not self.warned_non_finite:
+            self.warned_non_finite = True
+            logger.warning(NON_FINITE_DRAFT_WARNING)
+
+    def verify(self, plan: RoundPlan):
+        """One target forward over the ragged batch ``[x0_r, proposal_r]`` (right-padded to the
+        longest row); returns its outputs, the verified ids and the processed target logits."""
+        active, width = len(self.rows), max(plan.lengths)
+        lengths = torch.tensor(plan.lengths, device=self.device)
+        slots = torch.arange(width + 1, device=self.device)
+        verify_ids = torch.full((active, width + 1), self.pad_id, dtype=torch.long, device=self.device)
+        verify_ids[:, 0] = plan.anchors
+        if plan.sample is not None:
+            drafted_width = min(width, self.gamma)
+            verify_ids[plan.draft_rows, 1: 1 + drafted_width] = plan.sample.tokens[:, :drafted_width].to(self.device)
+        for i, proposal in plan.lookups.items():
+            verify_ids[i, 1: 1 + plan.lengths[i]] = proposal.tokens[: plan.lengths[i]].to(self.device)
+        verify_ids = torch.where(slots[None] <= lengths[:, None], verify_ids, self.pad_id)
+        self.verify_positions = self.next_position[:, None] + slots
+        attention_mask = torch.cat([self.slot_mask, slots[None] <= lengths[:, None]], dim=1).long()
+        outputs = self.target(verify_ids, attention_mask=attention_mask, position_ids=self.verify_positions,
+                              cache=self.cache, use_cache=True, output_hidden_states=self.layer_indices,
+                              logits_to_keep=width + 1)
+        logits = outputs.logits.float()
+        target_logits = self.process(logits.reshape(-1, logits.shape[-1])).view(active, width + 1, -1)
+        return outputs, verify_ids, target_logits
+
+    def accept(self, plan: RoundPlan, verify_ids: torch.LongTensor, target_logits: torch.Tensor):
+        """Per row: accepted proposal tokens and the next token (greedy match, or speculative
+        sampling with the draft's exact logits, ``q`` one-hot for lookup copies)."""
+        lengths = torch.tensor(plan.lengths, device=self.device)
+        proposed = verify_ids[:, 1:]
+        if self.do_sample:
+            draft_logits = plan.sample.logits.to(self.device) if plan.sample is not None else None
+            return _speculative_accept(proposed, lengths, target_logits, draft_logits, plan.draft_rows)
+        choice = target_logits.argmax(-1)
+        slots = torch.arange(proposed.shape[1], device=self.device)
+        match = (proposed == choice[:, :-1]) & (slots[None] < lengths[:, None])
+        accepted = match.int().cumprod(dim=1).sum(dim=1)
+        return accepted, choice[torch.arange(len(self.rows), device=self.device), accepted]
+
+    def roll_back(self, outputs, width: int, accepted: torch.Tensor) -> None:
+        """Only the anchor and the accepted tokens stay valid, in both caches (ragged slots)."""
+        kept_slots = torch.arange(width, device=self.device)[None] <= accepted[:, None]
+        self.slot_mask = torch.cat([self.slot_mask, kept_slots], dim=1)
+        self.draft.add_context(self.draft_cache, self.features(outputs, width),
+                               self.verify_positions.to(self.draft_device), kept_slots.to(self.draft_device))
+        self.next_position = self.next_position + accepted + 1
+
+    def emit(self, verify_ids: torch.LongTensor, accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Appends each row's accepted tokens and its next token, then applies the stopping criteria."""
+        emitted = torch.cat([verify_ids[:, 1:], verify_ids[:, :1]], dim=1)
+        emitted[torch.arange(len(self.rows), device=self.device), accepted] = next_tokens
+        before = {r: self.num_generated[r] for r in self.rows}
+        self.emit_tokens(emitted, accepted + 1)
+        self.check_stops(before)
+
+    def emit_tokens(self, emitted: torch.LongTensor, counts: torch.Tensor) -> None:
+        """Writes the first ``counts[i]`` of ``emitted[i]`` after running row i's tokens, cut after
+        an EOS and at the length limit; a row that reaches either is done."""
+        counts = cut_after_first_eos(emitted, counts, self.eos_ids)
+        room = torch.tensor([self.max_new - self.num_generated[r] for r in self.rows], device=self.device)
+        counts = torch.minimum(counts, room)
+        rows = torch.tensor(self.rows, device=self.device)
+        starts = torch.tensor([self.prompt_len + self.num_generated[r] for r in self.rows], device=self.device)
+        slots = torch.arange(emitted.shape[1], device=self.device)
+        written = slots[None] < counts[:, None]
+        self.sequences[rows[:, None].expand_as(emitted)[written], (starts[:, None] + slots)[written]] = emitted[written]
+        last = emitted[torch.arange(len(self.rows), device=self.device), counts - 1]
+        ended = torch.isin(last, self.eos_ids) if self.eos_ids is not None else torch.zeros_like(last, dtype=torch.bool)
+        for r, count, eos in zip(self.rows, counts.tolist(), ended.tolist()):
+            self.num_generated[r] += count
+            if eos or self.num_generated[r] >= self.max_new:
+                self.done.add(r)
+
+    def check_stops(self, before: dict[int, int]) -> None:
+        """Cuts each row at the first of its new positions where a positional criterion fires.
+        Every row is passed, finished ones included, so a criterion sees row r at index r as in
+        plain generate."""
+        if not self.positional:
+            return
+        ends = [self.prompt_len + n for n in self.num_generated]
+        sequences = [self.sequences[r, : ends[r]] for r in range(self.num_rows)]
+        starts = [self.prompt_len + before.get(r, self.num_generated[r]) for r in range(self.num_rows)]
+        for r, stop in enumerate(first_stops(self.positional, sequences, starts, filler=self.pad_id)):
+            if stop is not None:
+                self.sequences[r, stop:] = self.pad_id
+                self.num_generated[r] = stop - self.prompt_len
+                self.done.add(r)
+
+    def record(self, plan: RoundPlan, accepted: list[int], round_start: float, verify_start: float) -> None:
+        """Statistics (one RoundStats per row, the round's times shared), the cost model, each
+        row's source chooser and the drafting gate learn from the round."""
+        now = time.perf_counter()
+        active, verify_time, round_seconds = len(self.rows), now - verify_start, now - round_start
+        # The scheduler's B counts proposed tokens; the padded forward's cost is charged to it.
+        self.policy.observe_verify(active + sum(plan.lengths), verify_time)
+        drafted = set(plan.draft_rows.tolist()) if plan.drafting else set()
+        sps = self.lookup_sps() if self.choosers is not None else None
+        for i, (r, k, n) in enumerate(zip(self.rows, plan.lengths, accepted)):
+            lookup = plan.lookups.get(i)
+            self.stats.rounds.append(RoundStats(
+                verified=k, accepted=n, draft_time=plan.draft_time / active, serial_time=plan.serial_time / active,
+                schedule_time=plan.schedule_time / active, verify_time=verify_time / active,
+                drafted=i in drafted, source="lookup" if lookup is not None else "dspark", row=r))
+            if self.choosers is not None:
+                record_source_round(self.choosers[r], lookup, k, n, round_seconds / max(verify_time, 1e-9), sps)
+        if not plan.lookups:
+            record_gate_round(self.gate, drafted=plan.drafting, verified=sum(plan.lengths),
+                              produced=sum(accepted) + active, seconds=round_seconds,
+                              drafting_seconds=plan.draft_time + plan.serial_time + plan.schedule_time,
+                              sequences=active)
 
 
 @torch.no_grad()
@@ -173,188 +544,12 @@ def batched_dspark_generate(
 
     Each row stops at the first position where the stopping criteria fire on its own sequence
     (its left-padded prompt plus its tokens, as plain batched generate passes it); a
-    ``MaxTimeCriteria`` is checked once per round and stops every row.
+    ``MaxTimeCriteria`` is checked once per round and stops every row. See
+    :class:`BatchedDSparkGeneration` for the round.
     """
-    draft.bind_target(target)
-    device = input_ids.device
-    num_rows, prompt_len = input_ids.shape
-    gamma = draft.config.block_size
-    do_sample = bool(generation_config.do_sample)
-    processors = logits_processor if logits_processor is not None and len(logits_processor) else None
-    eos_tensor = generation_config._eos_token_tensor
-    eos_ids = eos_tensor.to(device).flatten() if eos_tensor is not None else None
-    eos_set = set(eos_ids.tolist()) if eos_ids is not None else set()
-    pad = generation_config._pad_token_tensor
-    pad_id = int(pad) if pad is not None else (int(eos_ids[0]) if eos_ids is not None else 0)
-    max_new = generation_config.max_length - prompt_len
-    if max_new < 1:
-        raise ValueError(f"max_length {generation_config.max_length} leaves no room after the {prompt_len}-token prompt.")
-    settings = resolve_settings(draft, target, generation_config, num_rows)  # this call's, never the draft's
-    policy, gate = settings.policy, settings.gate
-    layer_indices = hidden_state_indices(draft.config.target_layer_ids)
-    stats = DSparkGenerationStats(block_size=gamma)
-    record_generation_stats(draft, stats)
-    warned_non_finite = False
-
-    def process(scores: torch.Tensor) -> torch.Tensor:  # sequence-free processors: rows are independent
-        return processors(input_ids[:1], scores) if processors is not None else scores
-
-    def pick(scores: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(-1) if do_sample else scores.argmax(-1)
-
-    def features(outputs, width: int) -> torch.Tensor:
-        return torch.cat([outputs.hidden_states[i][:, -width:] for i in layer_indices], dim=-1).to(draft.fc.weight.device)
-
-    # Prefill: the target over the padded prompts; the draft's context gets every prompt slot.
-    mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=target.config)
-    _check_sliding_window(cache, prompt_len + max_new, gamma)
-    start = time.perf_counter()
-    outputs = target(input_ids, attention_mask=mask.long(), position_ids=positions, cache=cache, use_cache=True,
-                     output_hidden_states=layer_indices, logits_to_keep=1)
-    first = pick(process(outputs.logits[:, -1].float()))
-    draft_cache = draft.new_cache()
-    draft.add_context(draft_cache, features(outputs, prompt_len), positions.to(draft.fc.weight.device),
-                      mask.to(draft.fc.weight.device))
-    stats.prefill_time = time.perf_counter() - start
-    slot_mask = mask.clone()
-    next_position = positions[:, -1] + 1
-    generated = [[int(t)] for t in first]
-    rows = list(range(num_rows))  # original index of each active row
-
-    # EOS and length are enforced below as tokens are emitted; other criteria are checked per position.
-    positional = positional_criteria(stopping_criteria, generation_config)
-    clocks = [c for c in stopping_criteria or [] if type(c) is MaxTimeCriteria]
-    stopped: set[int] = set()
-
-    def check_stops(lengths_before: dict[int, int]) -> None:
-        """Cuts each row at the first of its new positions where a positional criterion fires."""
-        if not positional:
-            return
-        # Every row, finished ones included, so a criterion sees row r at index r as in plain generate.
-        sequences = [torch.cat([input_ids[r], torch.tensor(generated[r], dtype=torch.long, device=device)])
-                     for r in range(num_rows)]
-        starts = [prompt_len + lengths_before.get(r, len(generated[r])) for r in range(num_rows)]
-        for r, stop in enumerate(first_stops(positional, sequences, starts, filler=pad_id)):
-            if stop is not None:
-                del generated[r][stop - prompt_len:]
-                stopped.add(r)
-
-    def finished(r: int) -> bool:
-        return len(generated[r]) >= max_new or generated[r][-1] in eos_set or r in stopped
-
-    check_stops({r: 0 for r in range(num_rows)})
-    block_offsets = torch.arange(gamma, device=device)
-    while True:
-        keep = [i for i, r in enumerate(rows) if not finished(r)]
-        if not keep:
-            break
-        if any(bool(clock(input_ids[:1], None).any()) for clock in clocks):  # max_time: a clock, once a round
-            break
-        if len(keep) < len(rows):
-            index = torch.tensor(keep, device=device)
-            _select_rows(cache, draft_cache, index)
-            slot_mask, next_position = slot_mask[index], next_position[index]
-            rows = [rows[i] for i in keep]
-        active = len(rows)
-        round_start = time.perf_counter()
-        anchors = torch.tensor([generated[r][-1] for r in rows], device=device)
-        budgets = [min(settings.max_draft_tokens, max_new - len(generated[r]) - 1) for r in rows]
-        drafting = max(budgets) > 0 and (gate is None or gate.should_draft())
-        lengths = [0] * active
-        draft_time = serial_time = schedule_time = 0.0
-        if drafting:
-            t0 = time.perf_counter()
-            block_ids = torch.full((active, gamma), draft.config.mask_token_id, dtype=torch.long, device=device)
-            block_ids[:, 0] = anchors
-            block = draft(block_ids, next_position[:, None] + block_offsets, draft_cache)
-            t1 = time.perf_counter()
-            sample = serial_sample(draft, block.logits, block.hidden_states, anchors, do_sample=do_sample,
-                                   logits_processor=processors, prefix_ids=anchors[:, None] if processors else None)
-            t2 = time.perf_counter()
-            # A row whose draft distribution or confidences are not finite (float16 overflow) verifies
-            # nothing this round: it offers the policy no positions. Its flag travels with the confidences.
-            finite = sample.finite_rows()
-            if sample.confidences is not None:
-                rows_read = torch.cat([sample.confidences, finite[:, None].to(sample.confidences)], dim=1).tolist()
-                fine = [bool(row[-1]) for row in rows_read]
-                lengths = policy.admit_batch([row[:b] if ok else [] for row, b, ok in zip(rows_read, budgets, fine)])
-            else:
-                fine = finite.tolist()
-                lengths = policy.admit_batch([[1.0] * b if ok else [] for b, ok in zip(budgets, fine)])
-            if not all(fine):
-                lengths = [k if ok else 0 for k, ok in zip(lengths, fine)]
-                if not warned_non_finite:
-                    warned_non_finite = True
-                    logger.warning(NON_FINITE_DRAFT_WARNING)
-            if eos_ids is not None:  # nothing after a drafted EOS can be emitted
-                is_eos = torch.isin(sample.tokens, eos_ids).tolist()
-                lengths = [next((j + 1 for j in range(k) if flags[j]), k) for k, flags in zip(lengths, is_eos)]
-            t3 = time.perf_counter()
-            draft_time, serial_time, schedule_time = t1 - t0, t2 - t1, t3 - t2
-        width = max(lengths)
-        lengths_t = torch.tensor(lengths, device=device)
-        slots = torch.arange(width + 1, device=device)
-        verify_ids = torch.full((active, width + 1), pad_id, dtype=torch.long, device=device)
-        verify_ids[:, 0] = anchors
-        if width:
-            draft_tokens = sample.tokens[:, :width].to(device)
-            verify_ids[:, 1:] = torch.where(slots[None, :-1] < lengths_t[:, None], draft_tokens, pad_id)
-        new_valid = slots[None] <= lengths_t[:, None]
-        verify_positions = next_position[:, None] + slots
-        t4 = time.perf_counter()
-        outputs = target(verify_ids, attention_mask=torch.cat([slot_mask, new_valid], dim=1).long(),
-                         position_ids=verify_positions, cache=cache, use_cache=True,
-                         output_hidden_states=layer_indices, logits_to_keep=width + 1)
-        target_logits = process(outputs.logits.float().reshape(-1, outputs.logits.shape[-1])).view(active, width + 1, -1)
-        if do_sample:
-            draft_logits = sample.logits[:, :width].to(device) if width else None
-            accepted, next_tokens = _speculative_accept(
-                verify_ids[:, 1:], draft_logits, target_logits, lengths_t)
-        else:
-            choice = target_logits.argmax(-1)
-            match = (verify_ids[:, 1:] == choice[:, :-1]) & (slots[None, :-1] < lengths_t[:, None])
-            accepted = match.int().cumprod(dim=1).sum(dim=1)
-            next_tokens = choice[torch.arange(active, device=device), accepted]
-        # Roll back: only the anchor and the accepted draft tokens stay valid.
-        kept_slots = slots[None] <= accepted[:, None]
-        slot_mask = torch.cat([slot_mask, kept_slots], dim=1)
-        draft.add_context(draft_cache, features(outputs, width + 1), verify_positions.to(draft.fc.weight.device),
-                          kept_slots.to(draft.fc.weight.device))
-        next_position = next_position + accepted + 1
-        accepted_list, next_list = accepted.tolist(), next_tokens.tolist()
-        lengths_before = {r: len(generated[r]) for r in rows}
-        for i, r in enumerate(rows):
-            emitted = verify_ids[i, 1 : 1 + accepted_list[i]].tolist() + [next_list[i]]
-            eos_at = next((j for j, t in enumerate(emitted) if t in eos_set), None)
-            if eos_at is not None:
-                emitted = emitted[: eos_at + 1]
-            generated[r].extend(emitted[: max_new - len(generated[r])])
-        check_stops(lengths_before)
-        verify_time = time.perf_counter() - t4
-        # The scheduler's B counts admitted tokens; the padded forward's cost is charged to it.
-        policy.observe_verify(active + sum(lengths), verify_time)
-        # One RoundStats per row, the round's times shared among its rows.
-        for k, n in zip(lengths, accepted_list):
-            stats.rounds.append(RoundStats(verified=k, accepted=n, draft_time=draft_time / active,
-                                           serial_time=serial_time / active, schedule_time=schedule_time / active,
-                                           verify_time=verify_time / active, drafted=drafting))
-        if gate is not None:
-            seconds = time.perf_counter() - round_start
-            if drafting:
-                gate.record_drafted(sum(accepted_list) + active, seconds)
-            if width == 0:
-                gate.record_plain(seconds - draft_time - serial_time - schedule_time, tokens=active)
-        if slot_mask.shape[1] > 32 and slot_mask.shape[1] > 2 * int(slot_mask.sum(dim=1).max()):
-            slot_mask = _compact(cache, draft_cache, slot_mask)
-
-    longest = max(len(g) for g in generated)
-    out = torch.full((num_rows, prompt_len + longest), pad_id, dtype=torch.long, device=device)
-    out[:, :prompt_len] = input_ids
-    for r, tokens in enumerate(generated):
-        out[r, prompt_len : prompt_len + len(tokens)] = torch.tensor(tokens, device=device)
-    return out
+    generation = BatchedDSparkGeneration(target, draft, input_ids, attention_mask, logits_processor,
+                                         generation_config, stopping_criteria)
+    return generation.run()
 
 
-__all__ = ["batched_dspark_generate", "check_batched_support", "SEQUENCE_FREE_PROCESSORS"]
+__all__ = ["BatchedDSparkGeneration", "batched_dspark_generate", "check_batched_support", "SEQUENCE_FREE_PROCESSORS"]

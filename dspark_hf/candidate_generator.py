@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +29,8 @@ from transformers.utils import logging
 from .configuration_dspark import hidden_state_indices
 from .context_lookup import SourceChooser
 from .modeling_dspark import DSparkDraftModel
+from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
+                     record_source_round)
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
 from .scheduler import PrefixScheduler, VerifyPolicy, shared_cost_model
 from .settings import record_generation_stats, resolve_settings
@@ -37,119 +38,15 @@ from .settings import record_generation_stats, resolve_settings
 logger = logging.get_logger(__name__)
 
 
-@dataclass
-class RoundStats:
-    """One round: how many draft tokens were verified and accepted, and where the time went (seconds).
-
-    ``drafted`` is False for rounds the drafting gate turned into plain target steps, and for
-    rounds that verified a context-lookup proposal (``source == "lookup"``) instead.
-    ``draft_time`` includes the draft's LM head, which runs inside the serial loop once a first
-    position is admitted. The serial loop and the policy are interleaved, so ``serial_time``
-    includes the policy's decisions; ``schedule_time`` is what remains around them (EOS
-    truncation).
-    """
-
-    verified: int
-    accepted: int
-    draft_time: float
-    serial_time: float
-    schedule_time: float
-    verify_time: float
-    drafted: bool = True
-    source: str = "dspark"  # "dspark" (drafted or a plain step) or "lookup" (copied from the context)
-
-
-@dataclass
-class DSparkGenerationStats:
-    """Per-round statistics of one ``generate`` call, available as ``draft.last_generation_stats``
-    (in the thread that made the call) and as the candidate generator's ``stats``.
-
-    ``verify_time`` spans from the return of ``get_candidates`` to the next call into the generator,
-    so it holds the target forward plus transformers' acceptance and bookkeeping.
-    """
-
-    block_size: int
-    rounds: list[RoundStats] = field(default_factory=list)
-    prefill_time: float = 0.0  # the target's prompt forward (before the first round)
-
-    @property
-    def num_rounds(self) -> int:
-        return len(self.rounds)
-
-    @property
-    def verified_tokens(self) -> int:
-        return sum(r.verified for r in self.rounds)
-
-    @property
-    def accepted_tokens(self) -> int:
-        return sum(r.accepted for r in self.rounds)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """tau: tokens produced per target forward, bonus token included."""
-        return (self.accepted_tokens + self.num_rounds) / max(self.num_rounds, 1)
-
-    @property
-    def drafted_fraction(self) -> float:
-        """Share of rounds that ran the draft (the rest were skipped by the drafting gate)."""
-        return sum(r.drafted for r in self.rounds) / max(self.num_rounds, 1)
-
-    @property
-    def verify_efficiency(self) -> float:
-        """Accepted / verified draft tokens."""
-        return self.accepted_tokens / max(self.verified_tokens, 1)
-
-    def _histogram_size(self) -> int:
-        # Lookup proposals may be longer than the draft's block.
-        return max([self.block_size] + [r.verified for r in self.rounds]) + 1
-
-    def scheduled_length_histogram(self) -> list[int]:
-        """``hist[k]`` = number of rounds that verified k draft tokens (either source)."""
-        hist = [0] * self._histogram_size()
-        for r in self.rounds:
-            hist[r.verified] += 1
-        return hist
-
-    def accepted_length_histogram(self) -> list[int]:
-        """``hist[k]`` = number of rounds that accepted k draft tokens (either source)."""
-        hist = [0] * self._histogram_size()
-        for r in self.rounds:
-            hist[r.accepted] += 1
-        return hist
-
-    def per_position_acceptance(self) -> list[float | None]:
-        """Conditional acceptance per position: P(k accepted | 1..k-1 accepted and k verified)."""
-        rates: list[float | None] = []
-        for k in range(1, self.block_size + 1):
-            tried = sum(1 for r in self.rounds if r.verified >= k and r.accepted >= k - 1)
-            passed = sum(1 for r in self.rounds if r.accepted >= k)
-            rates.append(passed / tried if tried else None)
-        return rates
-
-    def source_shares(self) -> dict[str, float]:
-        """Share of rounds per draft source."""
-        shares: dict[str, float] = {}
-        for r in self.rounds:
-            shares[r.source] = shares.get(r.source, 0.0) + 1.0 / self.num_rounds
-        return shares
-
-    def acceptance_by_source(self) -> dict[str, float]:
-        """Accepted / verified draft tokens per source."""
-        totals: dict[str, list[int]] = {}
-        for r in self.rounds:
-            counts = totals.setdefault(r.source, [0, 0])
-            counts[0] += r.accepted
-            counts[1] += r.verified
-        return {source: accepted / verified for source, (accepted, verified) in totals.items() if verified}
-
-    def timings(self) -> dict[str, float]:
-        """Total seconds per part of the round."""
-        return {
-            "draft_forward": sum(r.draft_time for r in self.rounds),
-            "serial_sampling": sum(r.serial_time for r in self.rounds),
-            "scheduler": sum(r.schedule_time for r in self.rounds),
-            "target_verify": sum(r.verify_time for r in self.rounds),
-        }
+def lookup_step_rates(policy: VerifyPolicy, target: PreTrainedModel, max_lookup_tokens: int) -> tuple[float, ...]:
+    """The step-rate table the lookup choice reads: the prefix scheduler's (its live cost model's,
+    long enough for the longest proposal and its anchor), else the target's shared cost model."""
+    length = max_lookup_tokens + 1
+    if isinstance(policy, PrefixScheduler):
+        if policy.cost_model is None:
+            return policy.sps
+        return policy.cost_model.sps(max(length, policy.max_tokens))
+    return shared_cost_model(target).sps(length)
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -277,7 +174,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self._pending = {"verified": 0, "drafted": False, "draft": 0.0, "serial": 0.0,
                              "schedule": 0.0, "end": time.perf_counter()}
             return input_ids, None
+        return self._draft_round(input_ids, budget)
 
+    def _draft_round(self, input_ids: torch.LongTensor, budget: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft forward, serial sampling interleaved with the policy, then the checks on what it kept."""
         t0 = time.perf_counter()
         anchor = input_ids[:, -1]
         self.block_ids[:, 0] = anchor.to(self.device)
@@ -297,33 +197,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             max_positions=budget,
         )
         t2 = time.perf_counter()
-        if self.incremental:
-            keep = sample.num_admitted
-            if keep == 0 and sample.offered and not math.isfinite(sample.offered[-1]):
-                self._warn_non_finite()  # the policy refused a NaN confidence: nothing verified already
-        else:  # a user policy with only admit(): decide on the whole block
-            confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
-            # admit() rejects NaN confidences; a draft producing them verifies nothing this round.
-            finite = all(map(math.isfinite, confidences))
-            keep = self.policy.admit(confidences) if finite else 0
-            if not finite:
-                self._warn_non_finite()
-        if keep > 0:
-            # One transfer for both checks. A draft distribution that is not finite (float16
-            # overflow) cannot be verified (rejection sampling would take NaN for q): the round
-            # verifies nothing. Tokens after a drafted EOS can never be emitted; stopping at it
-            # depends only on earlier tokens for every later position, so admission stays
-            # non-anticipating.
-            checks = [sample.finite_rows()[0]]
-            if self.eos_token_ids is not None:
-                is_eos = torch.isin(sample.tokens[0, :keep], self.eos_token_ids.to(sample.tokens.device))
-                checks.append(is_eos.any().to(checks[0].device))
-            flags = torch.stack(checks).tolist()
-            if not flags[0]:
-                keep = 0
-                self._warn_non_finite()
-            elif len(flags) > 1 and flags[1]:
-                keep = int(is_eos.int().argmax()) + 1
+        keep = self._checked_length(sample, self._admitted_length(sample, budget))
         t3 = time.perf_counter()
         head = sample.lm_head_seconds  # the lazily run LM head belongs to the draft forward
         self._pending = {"verified": keep, "drafted": True, "draft": t1 - t0 + head, "serial": t2 - t1 - head,
@@ -333,12 +207,34 @@ class DSparkCandidateGenerator(CandidateGenerator):
         candidates = torch.cat([input_ids, sample.tokens[:, :keep].to(input_ids.device)], dim=1)
         return candidates, sample.logits[:, :keep]
 
-    def _through_first_eos(self, tokens: torch.LongTensor, keep: int) -> int:
-        """``keep`` cut after the first EOS among ``tokens[:keep]``."""
-        if keep > 0 and self.eos_token_ids is not None:
-            is_eos = torch.isin(tokens[:keep], self.eos_token_ids.to(tokens.device))
-            if bool(is_eos.any()):
-                keep = int(is_eos.int().argmax()) + 1
+    def _admitted_length(self, sample, budget: int) -> int:
+        """The verification length the policy chose (incrementally, or on the whole block)."""
+        if self.incremental:
+            if sample.num_admitted == 0 and sample.offered and not math.isfinite(sample.offered[-1]):
+                self._warn_non_finite()  # the policy refused a NaN confidence: nothing verified already
+            return sample.num_admitted
+        # A user policy with only admit(): decide on the whole block.
+        confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
+        # admit() rejects NaN confidences; a draft producing them verifies nothing this round.
+        if not all(map(math.isfinite, confidences)):
+            self._warn_non_finite()
+            return 0
+        return self.policy.admit(confidences)
+
+    def _checked_length(self, sample, keep: int) -> int:
+        """``keep`` after the checks on the drafted tokens, read in one transfer: a draft
+        distribution that is not finite (float16 overflow) cannot be verified (rejection sampling
+        would take NaN for q), so the round verifies nothing; and nothing after a drafted EOS can
+        be emitted (see :func:`~dspark_hf.rounds.cut_after_first_eos`)."""
+        if keep == 0:
+            return 0
+        finite = sample.finite_rows()[:1]
+        lengths = torch.full((1,), keep, dtype=torch.long, device=sample.tokens.device)
+        cut = cut_after_first_eos(sample.tokens[:, :keep], lengths, self.eos_token_ids)
+        is_finite, keep = torch.cat([finite.to(cut), cut]).tolist()
+        if not is_finite:
+            self._warn_non_finite()
+            return 0
         return keep
 
     def _propose_lookup(self, input_ids: torch.LongTensor):
@@ -346,25 +242,17 @@ class DSparkCandidateGenerator(CandidateGenerator):
         forward is skipped, and the tokens go to the target with no logits (a deterministic draft)."""
         start = time.perf_counter()
         budget = min(self.chooser.lookup.max_tokens, self.max_length - input_ids.shape[1] - 1)
-        proposal = self.chooser.lookup.propose(input_ids[0], budget)
-        keep = self.chooser.choose(proposal, self.lookup_sps())
+        proposal, keep = choose_lookup(self.chooser, input_ids[0], budget, self.lookup_sps(), self.eos_token_ids)
         if keep == 0:
             return None
-        keep = self._through_first_eos(proposal.tokens, keep)
         end = time.perf_counter()
         self._pending = {"verified": keep, "drafted": False, "draft": 0.0, "serial": 0.0,
                          "schedule": end - start, "end": end, "lookup": proposal}
         return torch.cat([input_ids, proposal.tokens[None, :keep].to(input_ids.device)], dim=1), None
 
     def lookup_sps(self) -> tuple[float, ...]:
-        """The step-rate table the lookup choice reads: the scheduler's (its live cost model's, long
-        enough for the longest proposal), else the target's shared cost model."""
-        length = self.chooser.lookup.max_tokens + 1
-        if isinstance(self.policy, PrefixScheduler):
-            if self.policy.cost_model is None:
-                return self.policy.sps
-            return self.policy.cost_model.sps(max(length, self.policy.max_tokens))
-        return shared_cost_model(self.target).sps(length)
+        """The step-rate table the lookup choice reads (see :func:`lookup_step_rates`)."""
+        return lookup_step_rates(self.policy, self.target, self.chooser.lookup.max_tokens)
 
     def _warn_non_finite(self) -> None:
         if not self._warned_non_finite:
@@ -389,20 +277,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         self.stats.rounds.append(round_stats)
         self.policy.observe_verify(round_stats.verified + 1, round_stats.verify_time)
+        round_seconds = now - self._round_start
         if self.chooser is not None:
-            if "lookup" in p:
-                self.chooser.record_lookup(p["lookup"], round_stats.verified, round_stats.accepted)
-            else:
-                ratio = (now - self._round_start) / max(round_stats.verify_time, 1e-9)
-                self.chooser.record_dspark(round_stats.accepted + 1, round_stats.verified, ratio, self.lookup_sps())
-        if self.gate is not None and "lookup" not in p:
-            round_seconds = now - self._round_start
-            if round_stats.drafted:
-                self.gate.record_drafted(round_stats.accepted + 1, round_seconds)
-            if round_stats.verified == 0:  # the target ran a one-token step
-                drafting = round_stats.draft_time + round_stats.serial_time + round_stats.schedule_time
-                self.gate.record_plain(round_seconds - drafting)
+            record_source_round(self.chooser, p.get("lookup"), round_stats.verified, round_stats.accepted,
+                                round_seconds / max(round_stats.verify_time, 1e-9), self.lookup_sps())
+        if "lookup" not in p:
+            drafting = round_stats.draft_time + round_stats.serial_time + round_stats.schedule_time
+            record_gate_round(self.gate, drafted=round_stats.drafted, verified=round_stats.verified,
+                              produced=round_stats.accepted + 1, seconds=round_seconds, drafting_seconds=drafting)
         self._pending = None
 
 
-__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats"]
+# RoundStats and DSparkGenerationStats live in dspark_hf.rounds; importing them from here keeps working.
+__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats", "lookup_step_rates"]

@@ -134,26 +134,32 @@ ROWS = [[2], [0, 3], [1]]  # last tokens 2, 3, 1: three different exact distribu
 NUM_TOKENS, NUM_SAMPLES = 3, 1500
 
 
-def _batched_p_values(policy, seed=0):
+def _batched_p_values(policy, seed=0, rows=ROWS, **generate_kwargs):
+    """Chi-square p-value per row of batched sampling against the exact distribution; the rounds
+    per draft source land in ``_batched_p_values.sources`` (for the context-lookup tests)."""
     target = bigram_target(_log(TARGET_PROBS))
     draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
     draft.verify_policy = policy
     draft.adaptive_drafting = False
-    ids, mask = _left_pad(ROWS)
+    ids, mask = _left_pad(rows)
     ids[ids == PAD] = 0
     torch.manual_seed(seed)
-    counts = [dict() for _ in ROWS]
-    scheduled = [0] * 4
+    counts = [dict() for _ in rows]
+    scheduled, sources = [0] * 4, {}
     for _ in range(NUM_SAMPLES):
         out = target.generate(ids, attention_mask=mask, max_new_tokens=NUM_TOKENS + 2, do_sample=True,
-                              temperature=1.0, top_k=None, top_p=None, pad_token_id=0, assistant_model=draft)
-        for r in range(len(ROWS)):
+                              temperature=1.0, top_k=None, top_p=None, pad_token_id=0, assistant_model=draft,
+                              **generate_kwargs)
+        for r in range(len(rows)):
             seq = tuple(out[r, ids.shape[1]: ids.shape[1] + NUM_TOKENS].tolist())
             counts[r][seq] = counts[r].get(seq, 0) + 1
-        for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()):
+        for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()[:4]):
             scheduled[k] += n
+        for round_stats in draft.generation_stats.rounds:
+            sources[round_stats.source] = sources.get(round_stats.source, 0) + 1
+    _batched_p_values.sources = sources
     p_values = []
-    for r, prompt in enumerate(ROWS):
+    for r, prompt in enumerate(rows):
         chi2, cells = 0.0, 0
         for seq in itertools.product(range(4), repeat=NUM_TOKENS):
             p, prev = 1.0, prompt[-1]
