@@ -46,7 +46,7 @@ def test_batched_greedy_rows_equal_each_prompt_alone(arch, policy, monkeypatch):
     target = random_target(arch, eos_token_id=EOS, context_scale=0.5)
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
                          confidence_logits=torch.linspace(-2, 4, VOCAB))
-    draft.verify_policy = PrefixScheduler(SMOOTH_SPS) if policy == "scheduler" else FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(SMOOTH_SPS) if policy == "scheduler" else FixedLengthPolicy(BLOCK)
     accepted = [0] * (BLOCK + 1)
     for seed in range(3):
         prompts = _prompts(5, seed)
@@ -58,7 +58,7 @@ def test_batched_greedy_rows_equal_each_prompt_alone(arch, policy, monkeypatch):
             row = out[i, ids.shape[1]:].tolist()
             assert row[: len(alone)] == alone, f"seed {seed} row {i}"
             assert all(t == PAD for t in row[len(alone):])  # a row that stopped early is padded
-        for k, n in enumerate(draft.generation_stats.accepted_length_histogram()):
+        for k, n in enumerate(draft.last_generation_stats.accepted_length_histogram()):
             accepted[k] += n
     assert compactions, "the ragged caches should have been compacted at least once"
     assert all(n > 0 for n in accepted[:3]), accepted
@@ -73,7 +73,7 @@ def test_rows_finish_independently_and_leave_the_batch(monkeypatch):
     table[9, EOS] = 10.0  # ... except 9, followed by EOS
     target = bigram_target(table, eos_token_id=EOS)
     draft = markov_draft(target, table, block_size=BLOCK, confidence_logits=torch.full((VOCAB,), 3.0))
-    draft.verify_policy = PrefixScheduler(SMOOTH_SPS)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(SMOOTH_SPS)
     ids, mask = _left_pad([[9], [3, 4], [6, 8, 9]])
     out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
                           assistant_model=draft)
@@ -91,7 +91,7 @@ def test_pipeline_with_batch_size():
     target = random_target("llama", vocab_size=VOCAB, context_scale=0.5)
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
                          confidence_logits=torch.linspace(-2, 4, VOCAB))
-    draft.verify_policy = PrefixScheduler(SMOOTH_SPS)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(SMOOTH_SPS)
     texts = ["w1 w2 w3", "w5", "w7 w8 w9 w10 w11", "w12 w13"]
     pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
     expected = [pipe(t, max_new_tokens=15, do_sample=False)[0]["generated_text"] for t in texts]
@@ -139,8 +139,8 @@ def _batched_p_values(policy, seed=0, rows=ROWS, **generate_kwargs):
     per draft source land in ``_batched_p_values.sources`` (for the context-lookup tests)."""
     target = bigram_target(_log(TARGET_PROBS))
     draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
-    draft.verify_policy = policy
-    draft.adaptive_drafting = False
+    draft.generation_config.dspark_verify_policy = policy
+    draft.generation_config.dspark_adaptive_drafting = False
     ids, mask = _left_pad(rows)
     ids[ids == PAD] = 0
     torch.manual_seed(seed)
@@ -153,9 +153,9 @@ def _batched_p_values(policy, seed=0, rows=ROWS, **generate_kwargs):
         for r in range(len(rows)):
             seq = tuple(out[r, ids.shape[1]: ids.shape[1] + NUM_TOKENS].tolist())
             counts[r][seq] = counts[r].get(seq, 0) + 1
-        for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()[:4]):
+        for k, n in enumerate(draft.last_generation_stats.scheduled_length_histogram()[:4]):
             scheduled[k] += n
-        for round_stats in draft.generation_stats.rounds:
+        for round_stats in draft.last_generation_stats.rounds:
             sources[round_stats.source] = sources.get(round_stats.source, 0) + 1
     _batched_p_values.sources = sources
     p_values = []

@@ -59,11 +59,11 @@ def _alone(target, prompt, max_new=40):
 
 def test_greedy_rows_identical_and_each_row_chooses_its_own_source():
     target, draft = _two_region_pair()
-    draft.verify_policy = PrefixScheduler(FLAT_SPS)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(FLAT_SPS)
     rows = _generate(target, draft, ROWS, prompt_lookup_num_tokens=8)
     for i, prompt in enumerate(ROWS):
         assert rows[i] == _alone(target, prompt), f"row {i}"
-    stats = draft.generation_stats
+    stats = draft.last_generation_stats
     for r in COPYING:
         assert stats.source_shares(row=r).get("lookup", 0.0) > 0.3, (r, stats.source_shares(row=r))
     for r in DRAFTING:
@@ -80,21 +80,21 @@ def test_greedy_identical_with_a_context_dependent_target_and_ragged_caches(monk
     target = random_target("llama", vocab_size=48, eos_token_id=5, context_scale=0.5)
     draft = markov_draft(target, target_next_token_table(target), block_size=4,
                          confidence_logits=torch.linspace(-2, 4, 48))
-    draft.verify_policy = PrefixScheduler(FLAT_SPS)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(FLAT_SPS)
     monkeypatch.setattr(batched, "SourceChooser", EagerChooser)
     prompts = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [30, 31], [12, 40, 12, 40, 12, 40, 12], [44, 45, 46]]
     rows = _generate(target, draft, prompts, max_new=50, prompt_lookup_num_tokens=6)
     for i, prompt in enumerate(prompts):
         alone = _alone(target, prompt, 50)
         assert rows[i][: len(alone)] == alone and all(t == PAD for t in rows[i][len(alone):]), f"row {i}"
-    assert "lookup" in draft.generation_stats.source_shares()
+    assert "lookup" in draft.last_generation_stats.source_shares()
     assert compactions, "the ragged caches should have been compacted at least once"
 
 
 def test_no_draft_forward_when_every_row_copies():
     target, draft = _two_region_pair()
-    draft.verify_policy = PrefixScheduler(FLAT_SPS)
-    draft.adaptive_drafting = False  # only the source choice may skip the draft
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(FLAT_SPS)
+    draft.generation_config.dspark_adaptive_drafting = False  # only the source choice may skip the draft
     calls = {"draft": 0, "target": 0}
     draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1))
     target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))
@@ -107,21 +107,21 @@ def test_no_draft_forward_when_every_row_copies():
 
 def test_settings_follow_the_batch_one_switches():
     target, draft = _two_region_pair()
-    draft.verify_policy = PrefixScheduler(FLAT_SPS, live=True)  # the live default: lookup on by default
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(FLAT_SPS, live=True)  # the live default: lookup on by default
     expected = [_alone(target, p) for p in ROWS]
     assert _generate(target, draft, ROWS) == expected
-    assert "lookup" in draft.generation_stats.source_shares()
+    assert "lookup" in draft.last_generation_stats.source_shares()
     assert _generate(target, draft, ROWS, prompt_lookup_num_tokens=0) == expected
-    assert "lookup" not in draft.generation_stats.source_shares()  # 0 turns it off
+    assert "lookup" not in draft.last_generation_stats.source_shares()  # 0 turns it off
     draft.generation_config.prompt_lookup_num_tokens = 0
     assert _generate(target, draft, ROWS) == expected
-    assert "lookup" not in draft.generation_stats.source_shares()  # so does the draft's generation_config
+    assert "lookup" not in draft.last_generation_stats.source_shares()  # so does the draft's generation_config
     draft.generation_config.prompt_lookup_num_tokens = None
-    draft.verify_policy = FixedLengthPolicy(2)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(2)
     assert _generate(target, draft, ROWS) == expected
-    assert "lookup" not in draft.generation_stats.source_shares()  # off by default with a fixed length
+    assert "lookup" not in draft.last_generation_stats.source_shares()  # off by default with a fixed length
     assert _generate(target, draft, ROWS, prompt_lookup_num_tokens=3) == expected
-    lookup_rounds = [s for s in draft.generation_stats.rounds if s.source == "lookup"]
+    lookup_rounds = [s for s in draft.last_generation_stats.rounds if s.source == "lookup"]
     assert lookup_rounds and max(s.verified for s in lookup_rounds) <= 3
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         _generate(target, draft, ROWS, max_new=4, prompt_lookup_num_tokens=-2)

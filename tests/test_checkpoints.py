@@ -78,12 +78,12 @@ def write_deepspec_folder(folder, markov_rank=RANK, head_type="vanilla", with_ma
 
 def _generate_matches(draft):
     target = random_target("qwen3", vocab_size=V, hidden_size=D, num_layers=TARGET_LAYERS)
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     prompt = torch.tensor([[3, 7, 11, 2, 9]])
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
     assert target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft).tolist() == \
         expected.tolist()
-    assert draft.generation_stats.num_rounds > 0
+    assert draft.last_generation_stats.num_rounds > 0
 
 
 @pytest.mark.parametrize("head_type,with_markov_conf", [("vanilla", True), ("gated", True), ("rnn", False)])
@@ -137,9 +137,9 @@ def test_roundtrip_save_load_identical_drafting(tmp_path):
     assert torch.equal(reloaded.rotary_emb.inv_freq, draft.rotary_emb.inv_freq)
     prompt = torch.tensor([[1, 5, 9, 13]])
     for d in (draft, reloaded):
-        d.verify_policy = FixedLengthPolicy(BLOCK)
+        d.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
         target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=d)
-    a, b = draft.generation_stats.rounds, reloaded.generation_stats.rounds
+    a, b = draft.last_generation_stats.rounds, reloaded.last_generation_stats.rounds
     assert [(r.verified, r.accepted) for r in a] == [(r.verified, r.accepted) for r in b]
 
 

@@ -73,14 +73,14 @@ def _copying_pair():
 
 def test_greedy_identical_and_lookup_used_on_copy_heavy_text():
     target, draft = _copying_pair()
-    draft.verify_policy = PrefixScheduler([100.0, 99.0, 98.0, 97.0, 96.0], live=True)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([100.0, 99.0, 98.0, 97.0, 96.0], live=True)
     used = 0
     for start in (0, 3, 7, 13, 20):
         prompt = torch.tensor([[start, (start + 5) % 24, start]])
         expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
         got = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
         assert got.tolist() == expected.tolist()
-        stats = draft.generation_stats
+        stats = draft.last_generation_stats
         used += stats.source_shares().get("lookup", 0.0) > 0
         if "lookup" in stats.acceptance_by_source():
             assert stats.acceptance_by_source()["lookup"] > 0.5
@@ -90,19 +90,19 @@ def test_greedy_identical_and_lookup_used_on_copy_heavy_text():
 def test_settings_follow_transformers_prompt_lookup_options():
     target, draft = _copying_pair()
     prompt = torch.tensor([[1, 2, 1]])
-    draft.verify_policy = PrefixScheduler([100.0] * 11, live=True)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([100.0] * 11, live=True)
     target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft, prompt_lookup_num_tokens=0)
-    assert "lookup" not in draft.generation_stats.source_shares()  # 0 turns it off
+    assert "lookup" not in draft.last_generation_stats.source_shares()  # 0 turns it off
     draft.generation_config.prompt_lookup_num_tokens = 0
     target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
-    assert "lookup" not in draft.generation_stats.source_shares()  # so does the draft's generation_config
+    assert "lookup" not in draft.last_generation_stats.source_shares()  # so does the draft's generation_config
     draft.generation_config.prompt_lookup_num_tokens = None
-    draft.verify_policy = FixedLengthPolicy(2)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(2)
     target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
-    assert "lookup" not in draft.generation_stats.source_shares()  # off by default with a fixed length
+    assert "lookup" not in draft.last_generation_stats.source_shares()  # off by default with a fixed length
     out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft, prompt_lookup_num_tokens=3)
     assert out.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
-    lookup_rounds = [r for r in draft.generation_stats.rounds if r.source == "lookup"]
+    lookup_rounds = [r for r in draft.last_generation_stats.rounds if r.source == "lookup"]
     assert lookup_rounds and max(r.verified for r in lookup_rounds) <= 3
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         target.generate(prompt, max_new_tokens=8, assistant_model=draft, prompt_lookup_num_tokens=-2)

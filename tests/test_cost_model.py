@@ -135,7 +135,7 @@ def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):
     path.write_text(json.dumps({"sps": absurd}))
     model = shared_cost_model(target, cache_dir=tmp_path)
     assert model.prior(1) == pytest.approx(10.0)
-    draft.verify_policy = PrefixScheduler(cost_model=model, max_tokens=5)
+    draft.generation_config.dspark_verify_policy = PrefixScheduler(cost_model=model, max_tokens=5)
     with caplog.at_level(logging.WARNING, logger="dspark_hf.step_rates"):
         target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft)
     assert "differ from its profiled SPS table" in caplog.text and str(path) in caplog.text

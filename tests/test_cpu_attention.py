@@ -92,7 +92,7 @@ def test_batched_dspark_with_a_prepared_target_equals_the_stock_target_per_row()
     target = optimize_for_cpu(copy.deepcopy(stock))
     assert target.config._attn_implementation == CPU_GQA_ATTENTION
     draft = markov_draft(target, target_next_token_table(target), block_size=4)
-    draft.verify_policy = FixedLengthPolicy(4)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(4)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(6, 48, (n,), generator=generator).tolist() for n in (3, 9, 6)]
     width = max(map(len, prompts))
@@ -107,4 +107,4 @@ def test_batched_dspark_with_a_prepared_target_equals_the_stock_target_per_row()
         alone = stock.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
         expected = alone[0, len(prompt):].tolist()
         assert out[i, width:width + len(expected)].tolist() == expected, f"row {i}"
-    assert draft.generation_stats.accepted_tokens > 0
+    assert draft.last_generation_stats.accepted_tokens > 0

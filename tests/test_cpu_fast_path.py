@@ -44,14 +44,14 @@ def test_dspark_with_prepared_target_and_draft_is_identical_to_the_stock_target(
     stock = random_target("llama")
     target = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
     draft = markov_draft(target, target_next_token_table(target), block_size=4)
-    draft.verify_policy = FixedLengthPolicy(4)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(4)
     optimize_for_cpu(draft, packed_min_rows=1)
     assert is_optimized_for_cpu(draft)
     for prompt in _prompts(4, seed=2):
         expected = stock.generate(prompt, max_new_tokens=30, do_sample=False)
         got = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=draft)
         assert got.tolist() == expected.tolist()
-    assert draft.generation_stats.accepted_tokens > 0
+    assert draft.last_generation_stats.accepted_tokens > 0
 
 
 def test_idempotent():
@@ -137,7 +137,7 @@ def test_device_map_with_offloaded_layers(tmp_path, monkeypatch):
     assert isinstance(offloaded.model.layers[0].mlp.up_proj, PackedLinear)  # on the CPU: packed
     assert not isinstance(offloaded.model.layers[3].mlp.up_proj, PackedLinear)  # on disk: left alone
     draft = markov_draft(stock, target_next_token_table(stock), block_size=4)
-    draft.verify_policy = FixedLengthPolicy(4)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(4)
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     expected = stock.generate(prompt, max_new_tokens=16, do_sample=False)
     assert offloaded.generate(prompt, max_new_tokens=16, do_sample=False).tolist() == expected.tolist()

@@ -653,13 +653,13 @@ def test_generation_through_the_op_path_is_lossless_and_lazy(emulated_cuda, monk
     head_calls = []
     original = draft.base_logits
     monkeypatch.setattr(draft, "base_logits", lambda h: head_calls.append(h.shape[1]) or original(h))
-    draft.verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.4])  # admits x_1 only when c_1 > 2/3
-    draft.adaptive_drafting = False
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.4])  # admits x_1 only when c_1 > 2/3
+    draft.generation_config.dspark_adaptive_drafting = False
     prompt = torch.tensor([[3, 7, 11, 2, 9]])
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
     out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=draft)
     assert out.tolist() == expected.tolist()
-    rounds = [r for r in draft.generation_stats.rounds if r.drafted]
+    rounds = [r for r in draft.last_generation_stats.rounds if r.drafted]
     verifying = sum(1 for r in rounds if r.verified > 0)
     assert verifying > 0 and len(emulated_cuda) == verifying and len(head_calls) == verifying
     assert any(r.verified == 0 for r in rounds), "the scheduler should refuse some rounds outright"

@@ -152,14 +152,14 @@ def test_greedy_generation_with_a_reduced_draft_equals_the_target():
     assert set(greedy_next.tolist()) - set(ids), "some greedy token must lie outside the draft vocabulary"
     draft = markov_draft(target, table + 0.3 * torch.randn(12, 12, generator=torch.Generator().manual_seed(4)),
                          block_size=4, draft_vocab_ids=ids)
-    draft.verify_policy = FixedLengthPolicy(4)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(4)
     prompts = torch.tensor([[1, 4], [3, 7], [0, 5], [11, 9]])
     accepted = 0
     for prompt in prompts:
         plain = target.generate(prompt[None], max_new_tokens=30, do_sample=False)
         assisted = target.generate(prompt[None], max_new_tokens=30, do_sample=False, assistant_model=draft)
         assert torch.equal(assisted, plain)
-        accepted += sum(r.accepted for r in draft.generation_stats.rounds)
+        accepted += sum(r.accepted for r in draft.last_generation_stats.rounds)
     assert accepted > 0  # the draft was used, and its tokens accepted
 
 
@@ -333,7 +333,7 @@ def test_remote_code_load_of_an_exported_reduced_draft(tmp_path):
         target = AutoModelForCausalLM.from_pretrained("org/tiny-target")
         report = {{"ids": draft.draft_vocab_ids.tolist(), "signature": drafting_signature(draft, target)}}
         prompt = torch.tensor([PROMPT])
-        draft.verify_policy = dspark_hf.FixedLengthPolicy(4)
+        draft.generation_config.dspark_verify_policy = dspark_hf.FixedLengthPolicy(4)
         plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
         report["same"] = torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False,
                                                      assistant_model=draft), plain)

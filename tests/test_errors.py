@@ -73,7 +73,7 @@ def test_num_beams():
 def test_confidence_policy_on_a_dflash_draft():
     target = random_target()
     draft = markov_draft(target, target_next_token_table(target))  # no confidence head
-    draft.verify_policy = PrefixScheduler([1.0, 0.8])
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.8])
     with pytest.raises(ValueError, match="needs confidences.*FixedLengthPolicy"):
         target.generate(PROMPT, max_new_tokens=5, assistant_model=draft)
 

@@ -78,20 +78,20 @@ def family(request):
 def test_fresh_draft_is_lossless_greedy(family):
     name, target, _ = family
     draft = DSparkDraftModel.from_target(target, block_size=BLOCK, markov_rank=8).eval()
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     expected = target.generate(PROMPT, max_new_tokens=16, do_sample=False)
     assert torch.equal(target.generate(PROMPT, max_new_tokens=16, do_sample=False, assistant_model=draft), expected)
-    assert draft.generation_stats.verified_tokens > 0
+    assert draft.last_generation_stats.verified_tokens > 0
     assert draft.config.num_target_layers == LAYERS and draft.config.hidden_size == D
 
 
 def test_accepting_draft_batch_one_and_batched(family):
     name, target, table = family
     draft = markov_draft(target, table, block_size=BLOCK)
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     expected = target.generate(PROMPT, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, assistant_model=draft), expected)
-    assert draft.generation_stats.accepted_tokens > 0, "the draft must be right sometimes to test acceptance"
+    assert draft.last_generation_stats.accepted_tokens > 0, "the draft must be right sometimes to test acceptance"
 
     for row in range(2):  # batched rows equal each prompt alone
         alone = target.generate(BATCH[row:row + 1, BATCH_MASK[row].bool()], max_new_tokens=12, do_sample=False,
@@ -99,7 +99,7 @@ def test_accepting_draft_batch_one_and_batched(family):
         batched = target.generate(BATCH, attention_mask=BATCH_MASK, max_new_tokens=12, do_sample=False,
                                   pad_token_id=PAD, assistant_model=draft)
         assert batched[row, BATCH.shape[1]:].tolist() == alone[0, int(BATCH_MASK[row].sum()):].tolist(), name
-    assert draft.generation_stats.verified_tokens > 0
+    assert draft.last_generation_stats.verified_tokens > 0
 
     torch.manual_seed(0)
     sampled = target.generate(PROMPT, max_new_tokens=12, do_sample=True, assistant_model=draft)
@@ -156,7 +156,7 @@ def test_sliding_window_target_batched_with_compaction(monkeypatch):
     monkeypatch.setattr(batched, "_compact", lambda *a: compactions.append(1) or original(*a))
     target = _target("mistral")
     draft = markov_draft(target, _one_token_table(target), block_size=BLOCK)
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     out = target.generate(BATCH, attention_mask=BATCH_MASK, max_new_tokens=40, do_sample=False, pad_token_id=PAD,
                           assistant_model=draft)
     assert compactions, "the test must exercise compaction"

@@ -27,14 +27,14 @@ def _target_and_draft(arch, **draft_kwargs):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_identical_to_target_all_accept_lengths(arch):
     target, draft = _target_and_draft(arch)
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     accepted = [0] * (BLOCK + 1)
     for i, prompt in enumerate(_prompts(24)):
         max_new = (5, 17, 40)[i % 3]
         expected = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
         got = target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
         assert got.tolist() == expected.tolist(), f"prompt {i} differs"
-        for k, n in enumerate(draft.generation_stats.accepted_length_histogram()):
+        for k, n in enumerate(draft.last_generation_stats.accepted_length_histogram()):
             accepted[k] += n
     assert all(n > 0 for n in accepted), f"every accepted length 0..{BLOCK} must occur, got {accepted}"
 
@@ -46,20 +46,20 @@ def test_greedy_identical_with_scheduler_and_markov_heads(head_type):
                          confidence_logits=torch.linspace(-3, 4, VOCAB))
     if head_type == "rnn":  # a random rnn head: proposals come from its own bias, still verified exactly
         torch.nn.init.normal_(draft.markov_head.joint_proj.weight, std=0.5)
-    draft.verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.42])
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.42])
     scheduled = [0] * (BLOCK + 1)
     for prompt in _prompts(10, seed=1):
         expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
         got = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=draft)
         assert got.tolist() == expected.tolist()
-        for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()):
+        for k, n in enumerate(draft.last_generation_stats.scheduled_length_histogram()):
             scheduled[k] += n
     assert scheduled[0] > 0 and sum(scheduled[2:]) > 0, f"scheduler should vary the length, got {scheduled}"
 
 
 def test_greedy_stops_at_eos_inside_a_block():
     target, draft = _target_and_draft("llama")
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     checked = 0
     for prompt in _prompts(12, seed=2):
         free_run = target.generate(prompt, max_new_tokens=30, do_sample=False)
@@ -81,7 +81,7 @@ def test_default_policy_profiles_and_generates():
     # then corrected by every round's verify time.
     cost_model = shared_cost_model(target)
     assert cost_model.prior_length >= BLOCK + 1
-    assert cost_model.num_observations == draft.generation_stats.num_rounds > 0
+    assert cost_model.num_observations == draft.last_generation_stats.num_rounds > 0
 
 
 def test_dflash_draft_verifies_full_block_by_default():
@@ -90,16 +90,16 @@ def test_dflash_draft_verifies_full_block_by_default():
     prompt = _prompts(1)[0]
     got = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert got.tolist() == target.generate(prompt, max_new_tokens=40, do_sample=False).tolist()
-    hist = draft.generation_stats.scheduled_length_histogram()
-    assert hist[BLOCK] >= len(draft.generation_stats.rounds) - 1  # the last round may be cut by the length budget
+    hist = draft.last_generation_stats.scheduled_length_histogram()
+    assert hist[BLOCK] >= len(draft.last_generation_stats.rounds) - 1  # the last round may be cut by the length budget
 
 
 def test_statistics_add_up():
     target, draft = _target_and_draft("qwen3")
-    draft.verify_policy = FixedLengthPolicy(3)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(3)
     prompt = _prompts(1, seed=5)[0]
     out = target.generate(prompt, max_new_tokens=33, do_sample=False, assistant_model=draft)
-    stats = draft.generation_stats
+    stats = draft.last_generation_stats
     new_tokens = out.shape[1] - prompt.shape[1]
     # every generated token is an accepted draft token or one bonus token per target forward
     # (the prefill forward produces the first token and is not a drafting round)
@@ -114,7 +114,7 @@ def test_statistics_add_up():
 
 def test_logits_processors_in_greedy_and_output_hidden_states():
     target, draft = _target_and_draft("llama")
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     prompt = _prompts(1, seed=3)[0]
     kwargs = dict(max_new_tokens=25, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3)
     expected = target.generate(prompt, **kwargs)
@@ -148,7 +148,7 @@ class _StopAfter(StoppingCriteria):
 
 def test_streamer_and_stopping_criteria():
     target, draft = _target_and_draft("qwen3")
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     prompt = _prompts(1, seed=4)[0]
     streamer = _Collect()
     out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft, streamer=streamer)
@@ -162,13 +162,13 @@ def test_streamer_and_stopping_criteria():
 
 def test_left_padded_single_prompt():
     target, draft = _target_and_draft("llama")
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     prompt = torch.tensor([[0, 0, 0, 5, 9, 13, 2, 7]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
     expected = target.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False)
     got = target.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False, assistant_model=draft)
     assert got.tolist() == expected.tolist()
-    assert draft.generation_stats.accepted_tokens > 0
+    assert draft.last_generation_stats.accepted_tokens > 0
 
 
 class AlternatingGate:
@@ -193,12 +193,12 @@ def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
 
     monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None: AlternatingGate())
     target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
-    draft.verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
     for prompt in _prompts(6, seed=3):
         expected = target.generate(prompt, max_new_tokens=25, do_sample=False)
         got = target.generate(prompt, max_new_tokens=25, do_sample=False, assistant_model=draft)
         assert got.tolist() == expected.tolist()
-        stats = draft.generation_stats
+        stats = draft.last_generation_stats
         skipped = [r for r in stats.rounds if not r.drafted]
         assert skipped and all(r.verified == 0 and r.draft_time == 0.0 for r in skipped)
         assert 0.0 < stats.drafted_fraction < 1.0
@@ -212,11 +212,11 @@ def test_adaptive_drafting_setting():
     assert resolve_drafting_gate(draft, PrefixScheduler([1.0, 0.5])) is not None
     assert resolve_drafting_gate(draft, ThresholdPolicy(0.5)) is not None
     assert resolve_drafting_gate(draft, FixedLengthPolicy(3)) is None
-    draft.adaptive_drafting = False
+    draft.generation_config.dspark_adaptive_drafting = False
     assert resolve_drafting_gate(draft, PrefixScheduler([1.0, 0.5])) is None
-    draft.adaptive_drafting = DraftingGate(window=5, probe_every=7)
+    draft.generation_config.dspark_adaptive_drafting = DraftingGate(window=5, probe_every=7)
     gate = resolve_drafting_gate(draft, FixedLengthPolicy(3))
-    assert gate is not draft.adaptive_drafting and (gate.window, gate.probe_every) == (5, 7)
-    draft.adaptive_drafting = "yes"
+    assert gate is not draft.generation_config.dspark_adaptive_drafting and (gate.window, gate.probe_every) == (5, 7)
+    draft.generation_config.dspark_adaptive_drafting = "yes"
     with pytest.raises(ValueError, match="adaptive_drafting"):
         resolve_drafting_gate(draft, FixedLengthPolicy(3))

@@ -12,7 +12,7 @@ VOCAB, BLOCK = 48, 4
 def _target_and_draft(arch="llama"):
     target = random_target(arch, context_scale=0.5)
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     return target, draft
 
 
@@ -27,11 +27,11 @@ def test_inputs_embeds_only_identical_to_target(arch):
         expected = target.generate(inputs_embeds=embeds, max_new_tokens=25, do_sample=False)
         got = target.generate(inputs_embeds=embeds, max_new_tokens=25, do_sample=False, assistant_model=draft)
         assert got.tolist() == expected.tolist() and got.shape[1] == 25
-        rounds = [(r.verified, r.accepted) for r in draft.generation_stats.rounds]
+        rounds = [(r.verified, r.accepted) for r in draft.last_generation_stats.rounds]
         # The draft's context lines up with the embedded prompt: it drafts exactly as from input_ids.
         target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=draft)
-        assert rounds == [(r.verified, r.accepted) for r in draft.generation_stats.rounds]
-        accepted += draft.generation_stats.accepted_tokens
+        assert rounds == [(r.verified, r.accepted) for r in draft.last_generation_stats.rounds]
+        accepted += draft.last_generation_stats.accepted_tokens
     assert accepted > 0
 
 

@@ -192,10 +192,10 @@ def test_hub_cache_remote_code_generate_pipeline_and_custom_generate(tmp_path):
         report["signature"] = drafting_signature(draft, target)
         prompt = torch.tensor([PROMPT])
         plain = target.generate(prompt, max_new_tokens=24, do_sample=False).tolist()
-        draft.verify_policy = dspark_hf.FixedLengthPolicy({BLOCK})
+        draft.generation_config.dspark_verify_policy = dspark_hf.FixedLengthPolicy({BLOCK})
         report["assisted_same"] = target.generate(prompt, max_new_tokens=24, do_sample=False,
                                                   assistant_model=draft).tolist() == plain
-        report["assisted_rounds"] = draft.generation_stats.num_rounds
+        report["assisted_rounds"] = draft.last_generation_stats.num_rounds
         tok = AutoTokenizer.from_pretrained("{TARGET_REPO}")
         pipe = pipeline("text-generation", model=target, tokenizer=tok)
         pipe_d = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=draft)
@@ -206,7 +206,7 @@ def test_hub_cache_remote_code_generate_pipeline_and_custom_generate(tmp_path):
             out = target.generate(prompt, max_new_tokens=24, do_sample=False, custom_generate=source,
                                   trust_remote_code=True).tolist()
             used = last_custom_generate_draft()
-            report[name] = {{"same": out == plain, "rounds": used.generation_stats.num_rounds,
+            report[name] = {{"same": out == plain, "rounds": used.last_generation_stats.num_rounds,
                             "is_own_draft": used is not draft}}
         torch.manual_seed(0)
         sampled = target.generate(prompt, max_new_tokens=16, do_sample=True, custom_generate="{DRAFT_REPO}",
@@ -311,9 +311,9 @@ def test_hub_cache_deepspec_and_zlab_repos_load_offline(tmp_path):
         plain = target.generate(prompt, max_new_tokens=20, do_sample=False).tolist()
         for name, repo in repos.items():
             draft = DSparkDraftModel.from_pretrained(repo)
-            draft.verify_policy = FixedLengthPolicy(draft.config.block_size)
+            draft.generation_config.dspark_verify_policy = FixedLengthPolicy(draft.config.block_size)
             out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft).tolist()
-            report[name] = {{"same": out == plain, "rounds": draft.generation_stats.num_rounds,
+            report[name] = {{"same": out == plain, "rounds": draft.last_generation_stats.num_rounds,
                             "block_size": draft.config.block_size, "markov_rank": draft.config.markov_rank,
                             "anchor_predicts": draft.config.anchor_predicts,
                             "format": dspark_hf.checkpoint_format(draft.config)}}
@@ -372,7 +372,7 @@ def test_zlab_dflash_drafts_exactly_zlabs_positions(tmp_path, nested):
     assert out.tolist() == target.generate(prompt, max_new_tokens=max_new, do_sample=False).tolist()
     reference = zlab_reference_greedy(zlab["state"], dict(zlab["config"], block_size=BLOCK + 1), target, PROMPT, max_new)
     assert len(reference) >= 4
-    rounds = draft.generation_stats.rounds
+    rounds = draft.last_generation_stats.rounds
     for i, (ref_logits, ref_accepted) in enumerate(reference):
         assert captured[i].shape == ref_logits.shape == (BLOCK, V)
         assert torch.allclose(captured[i], ref_logits, atol=1e-4), i
@@ -448,9 +448,9 @@ def test_deepspec_export_layout_and_roundtrip(tmp_path, head_type):
     prompt = torch.tensor([PROMPT])
     stats = []
     for d in (draft, reloaded):
-        d.verify_policy = FixedLengthPolicy(BLOCK)
+        d.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
         target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=d)
-        stats.append([(r.verified, r.accepted) for r in d.generation_stats.rounds])
+        stats.append([(r.verified, r.accepted) for r in d.last_generation_stats.rounds])
     assert stats[0] == stats[1]
 
 
@@ -488,11 +488,11 @@ def test_locate_custom_generate_source_fallbacks(tmp_path):
 def test_custom_generate_entry_point_uses_a_given_draft_and_refuses_other_assistants():
     target = _target()
     draft = _trained_draft(target)
-    draft.verify_policy = FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     prompt = torch.tensor([PROMPT])
     out = run_custom_generate(target, inputs=prompt, max_new_tokens=10, do_sample=False, assistant_model=draft)
     assert out.tolist() == target.generate(prompt, max_new_tokens=10, do_sample=False).tolist()
-    assert draft.generation_stats.num_rounds > 0
+    assert draft.last_generation_stats.num_rounds > 0
     with pytest.raises(ValueError, match="runs DSpark decoding"):
         run_custom_generate(target, inputs=prompt, max_new_tokens=4, assistant_model=random_target("llama", num_layers=2))
 

@@ -25,7 +25,7 @@ def _tokenizer():
 def _pair(arch="llama", **kwargs):
     target = random_target(arch, **kwargs)
     draft = markov_draft(target, target_next_token_table(target), block_size=4)
-    draft.verify_policy = FixedLengthPolicy(4)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(4)
     return target, draft
 
 
@@ -47,7 +47,7 @@ def test_pipeline_with_assistant_model():
     pipe_assisted = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=draft)
     got = pipe_assisted(text, max_new_tokens=15, do_sample=False)[0]["generated_text"]
     assert got == expected
-    assert draft.generation_stats is not None and draft.generation_stats.num_rounds > 0
+    assert draft.last_generation_stats is not None and draft.last_generation_stats.num_rounds > 0
 
 
 def test_other_generation_modes_do_not_touch_dspark(monkeypatch):
@@ -80,4 +80,4 @@ def test_target_offloaded_with_device_map(tmp_path):
     expected = target.generate(prompt, max_new_tokens=16, do_sample=False)
     got = offloaded.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft)
     assert got.tolist() == expected.tolist()
-    assert draft.generation_stats.accepted_tokens > 0
+    assert draft.last_generation_stats.accepted_tokens > 0

@@ -98,8 +98,8 @@ def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False,
         draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
     else:
         draft = draft_factory(target)
-    draft.verify_policy = policy
-    draft.adaptive_drafting = gate
+    draft.generation_config.dspark_verify_policy = policy
+    draft.generation_config.dspark_adaptive_drafting = gate
     torch.manual_seed(seed)
     counts, scheduled, sources = {}, [0] * 4, {}
     for _ in range(NUM_SAMPLES):
@@ -109,9 +109,9 @@ def _chi_square_p_value(policy, temperature=1.0, top_k=None, seed=0, gate=False,
         )
         seq = tuple(out[0, prompt.shape[1] : prompt.shape[1] + NUM_TOKENS].tolist())
         counts[seq] = counts.get(seq, 0) + 1
-        for k, n in enumerate(draft.generation_stats.scheduled_length_histogram()):
+        for k, n in enumerate(draft.last_generation_stats.scheduled_length_histogram()):
             scheduled[k] += n
-        for r in draft.generation_stats.rounds:
+        for r in draft.last_generation_stats.rounds:
             sources[r.source] = sources.get(r.source, 0) + 1
     exact = _exact_distribution(temperature, top_k, prompt)
     chi2, cells = 0.0, 0

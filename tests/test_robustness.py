@@ -87,28 +87,28 @@ POLICIES = {"fixed": lambda: FixedLengthPolicy(BLOCK), "threshold": lambda: Thre
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_non_finite_draft_verifies_nothing_at_batch_one(target, caplog, kind, policy):
     draft = _overflowing_draft(target, kind, confidence=policy != "dflash_default")
-    draft.verify_policy = POLICIES[policy]()
+    draft.generation_config.dspark_verify_policy = POLICIES[policy]()
     for call in range(2):
         caplog.clear()
         torch.manual_seed(call)
         out = target.generate(PROMPT, max_new_tokens=12, do_sample=True, assistant_model=draft)
         assert out.shape == (1, PROMPT.shape[1] + 12)
-        assert draft.generation_stats.verified_tokens == 0
+        assert draft.last_generation_stats.verified_tokens == 0
         assert len(_warnings(caplog, "non-finite")) == 1  # once per call
     greedy = target.generate(PROMPT, max_new_tokens=12, do_sample=False, assistant_model=draft)
     assert torch.equal(greedy, target.generate(PROMPT, max_new_tokens=12, do_sample=False))
-    assert draft.generation_stats.verified_tokens == 0
+    assert draft.last_generation_stats.verified_tokens == 0
 
 
 @pytest.mark.parametrize("kind", ["fp16_overflow", "nan_weights"])
 @pytest.mark.parametrize("policy", ["fixed", "scheduler", "dflash_default"])
 def test_non_finite_draft_verifies_nothing_batched(target, caplog, kind, policy):
     draft = _overflowing_draft(target, kind, confidence=policy != "dflash_default")
-    draft.verify_policy = POLICIES[policy]()
+    draft.generation_config.dspark_verify_policy = POLICIES[policy]()
     torch.manual_seed(0)
     out = target.generate(BATCH, attention_mask=BATCH_MASK, max_new_tokens=10, do_sample=True, assistant_model=draft)
     assert out.shape == (2, BATCH.shape[1] + 10)
-    assert draft.generation_stats.verified_tokens == 0
+    assert draft.last_generation_stats.verified_tokens == 0
     assert len(_warnings(caplog, "non-finite")) == 1
     greedy = target.generate(BATCH, attention_mask=BATCH_MASK, max_new_tokens=10, do_sample=False,
                              assistant_model=draft)
@@ -265,7 +265,7 @@ def test_corrupt_sps_cache_is_reprofiled_and_rewritten(tmp_path, target, caplog,
                                          (FixedLengthPolicy, "an instance")])
 def test_verify_policy_that_is_not_a_policy(target, batched, policy, hint):
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)
-    draft.verify_policy = policy
+    draft.generation_config.dspark_verify_policy = policy
     prompt, kwargs = (BATCH, dict(attention_mask=BATCH_MASK)) if batched else (PROMPT, {})
     with pytest.raises(ValueError, match=rf"verify_policy.*{hint}"):
         target.generate(prompt, max_new_tokens=5, assistant_model=draft, **kwargs)

@@ -36,11 +36,11 @@ def test_shipped_draft_loads_and_generates_losslessly(name, target_and_tokenizer
     assert draft.embed_tokens is None and draft.lm_head is None  # borrowed from the target
     assert draft.config.vocab_size == target.config.vocab_size
     assert draft.config.mask_token_id == smollm2.mask_token_id(tokenizer)
-    draft.verify_policy = FixedLengthPolicy(draft.config.block_size)
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(draft.config.block_size)
     messages = [{"role": "user", "content": "Write a Python function that returns the sum of a list."}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)
     expected = target.generate(**inputs, max_new_tokens=48, do_sample=False)
     got = target.generate(**inputs, max_new_tokens=48, do_sample=False, assistant_model=draft)
     assert got.tolist() == expected.tolist()
-    assert draft.generation_stats.mean_accepted_length > 1.1  # a random draft accepts almost nothing (tau ~ 1.0)
+    assert draft.last_generation_stats.mean_accepted_length > 1.1  # a random draft accepts almost nothing (tau ~ 1.0)

@@ -86,8 +86,8 @@ def _target_and_draft(arch="llama", seed=0, policy=None):
     # The draft proposes the target's next token given only the current one: whole blocks are often accepted.
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
                          confidence_logits=torch.linspace(-2, 4, VOCAB))
-    draft.verify_policy = policy or FixedLengthPolicy(BLOCK)
-    draft.adaptive_drafting = False
+    draft.generation_config.dspark_verify_policy = policy or FixedLengthPolicy(BLOCK)
+    draft.generation_config.dspark_adaptive_drafting = False
     return target, draft
 
 
@@ -239,8 +239,8 @@ def test_sampled_stopped_sequences_follow_the_target_distribution(cuts):
     # stopped sequence's exact probability is known; sequences running past a 1 have probability 0.
     target = bigram_target(_log(TARGET_PROBS))
     draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3)
-    draft.verify_policy = FixedLengthPolicy(3)
-    draft.adaptive_drafting = False
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(3)
+    draft.generation_config.dspark_adaptive_drafting = False
     prompt, max_new, samples = torch.tensor([[2]]), 4, 500
     stop = StoppingCriteriaList([StopOnToken({1})])
     exact = {}
