@@ -274,13 +274,18 @@ def _batch(seed, rows=5):
     return ids, mask
 
 
+def _batches(count, first_seed):
+    """``count`` batches from seeds ``first_seed``, ``first_seed + 1``, ...; yields (index, ids, mask)."""
+    for index in range(count):
+        yield index, *_batch(seed=first_seed + index)
+
+
 def test_batched_rows_stop_at_their_own_first_firing_position():
     tokenizer = _word_tokenizer()
     target, draft = _target_and_draft("llama", seed=5, policy=PrefixScheduler(SMOOTH_SPS))
     gen = torch.Generator().manual_seed(12)
     cut_rows = 0
-    for seed in range(3):
-        ids, mask = _batch(seed=20 + seed)
+    for seed, ids, mask in _batches(3, first_seed=20):
         rows, width = ids.shape
         free = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
         words = tokenizer.convert_ids_to_tokens(free[0].tolist())
@@ -303,8 +308,7 @@ def test_batched_seeded_sampling_rows_end_at_their_first_firing_position():
     target, draft = _target_and_draft("qwen3", seed=6, policy=PrefixScheduler(SMOOTH_SPS))
     gen = torch.Generator().manual_seed(13)
     stopped_early = 0
-    for seed in range(4):
-        ids, mask = _batch(seed=30 + seed)
+    for seed, ids, mask in _batches(4, first_seed=30):
         rows, width = ids.shape
         token_stop = StopOnToken(set(torch.randint(2, VOCAB, (3,), generator=gen).tolist()))
         length_stop = StopAfter((width + torch.randint(1, 30, (rows,), generator=gen)).tolist())
