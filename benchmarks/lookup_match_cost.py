@@ -20,7 +20,6 @@ per-round time is the generation's decode time over its rounds). Prints both and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from dspark_hf import DSparkDraftModel, optimize_for_cpu
+from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.context_lookup import ContextLookup, SourceChooser
 from dspark_hf.rounds import choose_lookup
 
@@ -101,7 +101,7 @@ def time_round(target, draft, context: torch.LongTensor, new_tokens: int) -> tup
                     assistant_model=draft, prompt_lookup_num_tokens=0)  # warm-up
     target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                     assistant_model=draft, prompt_lookup_num_tokens=0)
-    stats = draft.generation_stats
+    stats = draft.last_generation_stats
     return sum(stats.timings().values()) / stats.num_rounds, stats.num_rounds
 
 
@@ -130,8 +130,7 @@ def main(argv=None) -> dict:
     print(f"  lookup search + choice, a match found: {found * 1e6:8.1f} us  ({found / round_seconds:.2%} of a round)")
     print(f"  lookup search + choice, no match:      {worst * 1e6:8.1f} us  ({worst / round_seconds:.2%} of a round)")
     print(f"  one DSpark round (mean of {rounds}):     {round_seconds * 1e3:8.2f} ms   target: search <= 1% of a round")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json_result(result, args.out)
     return result
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
@@ -19,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_hf import optimize_for_cpu
+from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.training.smollm2 import load_smollm2
 
 
@@ -73,9 +73,7 @@ def main(argv=None) -> dict:
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
     result = {"context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
               "median_seconds": medians}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json_result(result, args.out)
     return result
 
 

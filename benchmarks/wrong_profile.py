@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark_hf import DSparkDraftModel, PrefixScheduler, optimize_for_cpu, shared_cost_model
+from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.benchmarks.prompt_sets import DATASETS, load_eval_prompts
 from dspark_hf.step_rates import _shared_cost_models, profile_sps, sps_cache_key
 from dspark_hf.training.data import chat_prompt_ids
@@ -72,8 +73,7 @@ def main(argv=None) -> dict:
         rate = tokens / seconds
         result[f"{factor:g}"] = {"tokens_per_s": rate, "relative": rate / base, "final_drift": drift[factor]}
         print(f"{factor:<7.3g} {rate:6.2f}  {rate / base:10.3f}  x{drift[factor]:.2f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json_result(result, args.out)
     return result
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_hf import cuda_ops  # noqa: E402
 from dspark_hf.benchmarks.environment import capture_environment  # noqa: E402
+from dspark_hf.benchmarks.measuring import mean_call_ms, write_json_result  # noqa: E402
 from dspark_hf.configuration_dspark import DSparkConfig  # noqa: E402
 from dspark_hf.modeling_dspark import ConfidenceHead, MarkovHead  # noqa: E402
 from dspark_hf.sampling import serial_sample  # noqa: E402
@@ -69,19 +70,6 @@ def make_problem(vocab: int, gamma: int, batch: int, seed: int = 0):
     H = torch.randn(batch, gamma, HIDDEN, device="cuda").to(DTYPE)
     anchor = torch.randint(0, vocab, (batch,), device="cuda")
     return heads, U, H, anchor
-
-
-def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def functional_loop(U, H, anchor, w1, w2, conf_w, conf_b, gamma: int, temperature: float):
@@ -124,9 +112,9 @@ def bench_serial(args) -> list[dict]:
                     do_sample = mode == "sample"
                     row = {"vocab": vocab, "gamma": gamma, "batch": batch, "rank": RANK, "mode": mode}
                     with torch.no_grad():
-                        row["op_ms"] = cuda_time_ms(
+                        row["op_ms"] = mean_call_ms(
                             lambda: serial_sample(heads, U, H, anchor, do_sample=do_sample, backend="cuda"), repeats)
-                        row["eager_ms"] = cuda_time_ms(
+                        row["eager_ms"] = mean_call_ms(
                             lambda: serial_sample(heads, U, H, anchor, do_sample=do_sample, backend="reference"),
                             repeats)
                         row["compiled_ms"] = None
@@ -141,7 +129,7 @@ def bench_serial(args) -> list[dict]:
                                 fn(*args_c)
                                 torch.cuda.synchronize()
                                 compile_spent += time.perf_counter() - t0
-                                row["compiled_ms"] = cuda_time_ms(lambda: fn(*args_c), repeats)
+                                row["compiled_ms"] = mean_call_ms(lambda: fn(*args_c), repeats)
                             except Exception as err:  # report, keep benchmarking
                                 compile_spent += time.perf_counter() - t0
                                 row["compiled_error"] = f"{type(err).__name__}: {err}"[:300]
@@ -202,10 +190,10 @@ def bench_round_share(args) -> list[dict]:
             block_out = draft(block_ids, positions, dcache)
             U, Hs, anchor = block_out.logits, block_out.hidden_states, block_ids[:, 0]
             repeats = 5 if args.quick else 20
-            t_verify = cuda_time_ms(verify, repeats)
-            t_draft = cuda_time_ms(lambda: draft(block_ids, positions, dcache), repeats)
-            t_op = cuda_time_ms(lambda: serial_sample(draft, U, Hs, anchor, do_sample=True, backend="cuda"), repeats)
-            t_eager = cuda_time_ms(lambda: serial_sample(draft, U, Hs, anchor, do_sample=True, backend="reference"),
+            t_verify = mean_call_ms(verify, repeats)
+            t_draft = mean_call_ms(lambda: draft(block_ids, positions, dcache), repeats)
+            t_op = mean_call_ms(lambda: serial_sample(draft, U, Hs, anchor, do_sample=True, backend="cuda"), repeats)
+            t_eager = mean_call_ms(lambda: serial_sample(draft, U, Hs, anchor, do_sample=True, backend="reference"),
                                    repeats)
             round_op = t_verify + t_draft + t_op
             results.append({"gamma": gamma, "verify_ms": t_verify, "draft_ms": t_draft, "op_ms": t_op,
@@ -249,9 +237,7 @@ def main():
         except Exception as err:  # the serial numbers above still stand
             print(f"round-share measurement failed: {type(err).__name__}: {err}", flush=True)
             results["round_share_error"] = f"{type(err).__name__}: {err}"
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json_result(results, args.json)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,12 @@ from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf.batched as batched
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
+from generation_helpers import left_pad
 from test_lossless_sampling import CONFIDENCE_LOGITS, DRAFT_PROBS, SPS, TARGET_PROBS, AnticipatingScheduler, _log
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table, tiny_tokenizer
 
 VOCAB, BLOCK, EOS, PAD = 48, 4, 5, 0
 SMOOTH_SPS = [1 / (1 + 0.12 * b) for b in range(40)]
-
-
-def _left_pad(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 def _prompts(n, seed):
@@ -50,7 +41,7 @@ def test_batched_greedy_rows_equal_each_prompt_alone(arch, policy, monkeypatch):
     accepted = [0] * (BLOCK + 1)
     for seed in range(3):
         prompts = _prompts(5, seed)
-        ids, mask = _left_pad(prompts)
+        ids, mask = left_pad(prompts, PAD)
         out = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=PAD,
                               assistant_model=draft)
         for i, prompt in enumerate(prompts):
@@ -74,7 +65,7 @@ def test_rows_finish_independently_and_leave_the_batch(monkeypatch):
     target = bigram_target(table, eos_token_id=EOS)
     draft = markov_draft(target, table, block_size=BLOCK, confidence_logits=torch.full((VOCAB,), 3.0))
     draft.generation_config.dspark_verify_policy = PrefixScheduler(SMOOTH_SPS)
-    ids, mask = _left_pad([[9], [3, 4], [6, 8, 9]])
+    ids, mask = left_pad([[9], [3, 4], [6, 8, 9]], PAD)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
                           assistant_model=draft)
     assert out[0, 3:].tolist() == [EOS] + [PAD] * 11
@@ -107,7 +98,7 @@ def test_pipeline_with_batch_size():
 def test_unsupported_batched_settings(kwargs, match):
     target = random_target("llama")
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)
-    ids, mask = _left_pad([[3, 4], [5, 6, 7]])
+    ids, mask = left_pad([[3, 4], [5, 6, 7]], PAD)
     with pytest.raises(ValueError, match=match):
         target.generate(ids, attention_mask=mask, max_new_tokens=5, assistant_model=draft, **kwargs)
 
@@ -123,7 +114,7 @@ class NullStreamer(BaseStreamer):
 def test_streamer_needs_batch_size_one():
     target = random_target("llama")
     draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK)
-    ids, mask = _left_pad([[3, 4], [5, 6, 7]])
+    ids, mask = left_pad([[3, 4], [5, 6, 7]], PAD)
     with pytest.raises(ValueError, match="batch size 1"):
         target.generate(ids, attention_mask=mask, max_new_tokens=5, assistant_model=draft, streamer=NullStreamer())
 
@@ -141,7 +132,7 @@ def _batched_p_values(policy, seed=0, rows=ROWS, **generate_kwargs):
     draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
     draft.generation_config.dspark_verify_policy = policy
     draft.generation_config.dspark_adaptive_drafting = False
-    ids, mask = _left_pad(rows)
+    ids, mask = left_pad(rows, PAD)
     ids[ids == PAD] = 0
     torch.manual_seed(seed)
     counts = [dict() for _ in rows]

@@ -16,7 +16,8 @@ from dspark_hf.context_lookup import ContextLookup
 from dspark_hf.policies import offer_until_refused
 from dspark_hf.rounds import cut_after_first_eos
 from dspark_hf.sampling import SerialSample
-from test_batched import BATCH_SPS, _batched_p_values, _left_pad
+from generation_helpers import left_pad
+from test_batched import BATCH_SPS, _batched_p_values
 from test_context_lookup import EagerChooser
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table
 
@@ -46,7 +47,7 @@ COPYING, DRAFTING = (0, 2), (1, 3)
 
 
 def _generate(target, draft, prompts, max_new=40, **kwargs):
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts, PAD)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=PAD,
                           assistant_model=draft, **kwargs)
     return [out[i, ids.shape[1]:].tolist() for i in range(len(prompts))]

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import dspark_hf.cpu_fast_path as fast_path
 from dspark_hf import FixedLengthPolicy, optimize_for_cpu
 from dspark_hf.cpu_fast_path import PackedLinear, is_optimized_for_cpu
-from tiny_models import markov_draft, random_target, target_next_token_table
+from tiny_models import markov_draft, random_target, reload_half_on_disk, target_next_token_table
 
 pytestmark = pytest.mark.skipif(fast_path.fast_path_unavailable_reason() is not None,
                                 reason=f"oneDNN packed linears unavailable: {fast_path.fast_path_unavailable_reason()}")
@@ -124,12 +124,7 @@ def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
 
 def test_device_map_with_offloaded_layers(tmp_path, monkeypatch):
     stock = random_target("llama", num_layers=4)
-    stock.save_pretrained(tmp_path / "target")
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-                  "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu",
-                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "target", device_map=device_map,
-                                                     offload_folder=str(tmp_path / "offload"))
+    offloaded = reload_half_on_disk(stock, tmp_path)
     optimize_for_cpu(offloaded, packed_min_rows=1)
     calls = []
     packed_linear = fast_path._packed_linear

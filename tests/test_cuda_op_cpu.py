@@ -33,6 +33,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, 
 import dspark_hf
 from dspark_hf import cuda_graphs, cuda_ops
 from dspark_hf.sampling import SerialSample, inverse_cdf_sample, serial_sample
+from cuda_op_fakes import pretend_cuda_op_is_built
 
 CSRC = Path(cuda_ops.__file__).parent / "csrc"
 GPU_TESTS = Path(__file__).parent / "gpu" / "test_cuda_op.py"
@@ -232,11 +233,7 @@ def fake_cuda(monkeypatch):
         return SerialSample(tokens=torch.zeros(rows, gamma, dtype=torch.long), logits=torch.zeros(rows, gamma, vocab),
                             confidences=None, uniforms="op")
 
-    monkeypatch.setattr(dspark_hf.sampling, "_may_use_cuda_op", lambda backend, t: backend != "reference")
-    monkeypatch.setattr(cuda_ops, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)
-    monkeypatch.setattr(cuda_ops, "serial_sample_cuda", fake_op)
-    monkeypatch.delenv("DSPARK_HF_CUDA_OP", raising=False)
+    pretend_cuda_op_is_built(monkeypatch, "serial_sample_cuda", fake_op)
     return calls
 
 
@@ -547,11 +544,7 @@ def emulated_cuda(monkeypatch):
         return emulated_op(draft, U, H, anchor.reshape(-1), do_sample=do_sample, temperature=temperature,
                            uniforms=uniforms, fused_max_rows=4)
 
-    monkeypatch.setattr(dspark_hf.sampling, "_may_use_cuda_op", lambda backend, t: backend != "reference")
-    monkeypatch.setattr(cuda_ops, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)
-    monkeypatch.setattr(cuda_ops, "serial_sample_cuda", op)
-    monkeypatch.delenv("DSPARK_HF_CUDA_OP", raising=False)
+    pretend_cuda_op_is_built(monkeypatch, "serial_sample_cuda", op)
     return calls
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 import dspark_hf
-from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler, cuda_ops
+from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler
 from dspark_hf.draft_vocab import check_draft_vocab_ids, scatter_to_vocab
 from dspark_hf.training.draft_vocab_training import (
     coverage,
@@ -34,6 +34,7 @@ from dspark_hf.training.trainer import (
     step_loss,
     train,
 )
+from cuda_op_fakes import pretend_cuda_op_is_built
 from hub_helpers import PROMPT, assert_same_drafting, drafting_signature, install_in_hub_cache, run_isolated
 from test_checkpoints import V, deepspec_state_dict, write_deepspec_folder
 from tiny_models import bigram_target, markov_draft, random_target
@@ -265,11 +266,7 @@ def op_on_cpu(monkeypatch):
                           uniforms=uniforms, fused_max_rows=fused)
         return out.tokens, out.logits, out.confidences if out.confidences is not None else torch.empty(0)
 
-    monkeypatch.setattr(dspark_hf.sampling, "_may_use_cuda_op", lambda backend, t: backend != "reference")
-    monkeypatch.setattr(cuda_ops, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)
-    monkeypatch.setattr(cuda_ops, "_run_op", run_op)
-    monkeypatch.delenv("DSPARK_HF_CUDA_OP", raising=False)
+    pretend_cuda_op_is_built(monkeypatch, "_run_op", run_op)
     return calls
 
 

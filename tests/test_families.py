@@ -19,38 +19,30 @@ from tiny_models import markov_draft
 V, D, LAYERS, HEADS, BLOCK = 64, 32, 4, 4, 4
 
 
-def _common(**extra):
-    return dict(vocab_size=V, bos_token_id=0, eos_token_id=None, **extra)
+def _family(model_class, config_class, **sizes):
+    """A builder of ``model_class(config_class(...))`` on the shared vocabulary, with ``sizes`` under
+    the family's own names (the comments below say where a family departs from Llama's)."""
+    return lambda: model_class(config_class(vocab_size=V, bos_token_id=0, eos_token_id=None, **sizes))
 
 
+# Llama's names for the sizes, which most families use; grouped attention adds 2 key/value heads.
+LLAMA_SIZES = dict(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS)
+GROUPED = dict(LLAMA_SIZES, num_key_value_heads=2)
 FAMILIES = {
-    "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(
-        hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=2, **_common())),
-    "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(
-        hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=2, **_common())),
-    "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(
-        hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=2, head_dim=8, **_common())),
-    "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(
-        hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=2, **_common())),
-    "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(
-        hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=2, head_dim=8, **_common())),
-    "phi": lambda: T.PhiForCausalLM(T.PhiConfig(  # partial rotary factor 0.5
-        hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS, **_common())),
-    "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(  # n_embd / n_layer / n_head, n_inner None
-        n_embd=D, n_layer=LAYERS, n_head=HEADS, n_positions=256, **_common())),
-    "opt": lambda: T.OPTForCausalLM(T.OPTConfig(  # ffn_dim, learned positions from the attention mask
-        hidden_size=D, ffn_dim=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        max_position_embeddings=256, word_embed_proj_dim=D, **_common(pad_token_id=1))),
-    "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(  # ffn_hidden_size None, no intermediate_size
-        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS, **_common())),
-    "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(  # partial rotary factor 0.25
-        hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        **_common())),
+    "llama": _family(T.LlamaForCausalLM, T.LlamaConfig, **GROUPED),
+    "qwen2": _family(T.Qwen2ForCausalLM, T.Qwen2Config, **GROUPED),
+    "qwen3": _family(T.Qwen3ForCausalLM, T.Qwen3Config, **GROUPED, head_dim=8),
+    "mistral": _family(T.MistralForCausalLM, T.MistralConfig, **GROUPED),
+    "gemma": _family(T.GemmaForCausalLM, T.GemmaConfig, **GROUPED, head_dim=8),
+    "phi": _family(T.PhiForCausalLM, T.PhiConfig, **LLAMA_SIZES),  # partial rotary factor 0.5
+    "gpt2": _family(T.GPT2LMHeadModel, T.GPT2Config,  # n_embd / n_layer / n_head, n_inner None
+                    n_embd=D, n_layer=LAYERS, n_head=HEADS, n_positions=256),
+    "opt": _family(T.OPTForCausalLM, T.OPTConfig,  # ffn_dim, learned positions from the attention mask
+                   hidden_size=D, ffn_dim=2 * D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                   max_position_embeddings=256, word_embed_proj_dim=D, pad_token_id=1),
+    "falcon": _family(T.FalconForCausalLM, T.FalconConfig,  # ffn_hidden_size None, no intermediate_size
+                      hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS),
+    "gpt_neox": _family(T.GPTNeoXForCausalLM, T.GPTNeoXConfig, **LLAMA_SIZES),  # partial rotary factor 0.25
 }
 PROMPT = torch.tensor([[3, 4, 5, 6, 7]])
 PAD = 2
@@ -122,8 +114,8 @@ def test_selected_hidden_states_match_the_full_tuple(family):
 
 def test_opt_with_projected_embeddings_is_refused_by_name():
     torch.manual_seed(0)
-    target = T.OPTForCausalLM(T.OPTConfig(hidden_size=D, ffn_dim=2 * D, num_hidden_layers=LAYERS,
-                                          num_attention_heads=HEADS, word_embed_proj_dim=16, **_common()))
+    target = _family(T.OPTForCausalLM, T.OPTConfig, hidden_size=D, ffn_dim=2 * D, num_hidden_layers=LAYERS,
+                     num_attention_heads=HEADS, word_embed_proj_dim=16)()
     with pytest.raises(ValueError, match=r"OPTConfig.*input embeddings of width 16 but hidden states of width 32"):
         DSparkDraftModel.from_target(target)
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
 from dspark_hf import FixedLengthPolicy, PrefixScheduler, shared_cost_model
+from generation_helpers import CollectingStreamer
 from tiny_models import markov_draft, random_target, target_next_token_table
 
 BLOCK = 4
@@ -127,17 +127,6 @@ def test_logits_processors_in_greedy_and_output_hidden_states():
     assert len(out.hidden_states) == len(ref.hidden_states)
 
 
-class _Collect(BaseStreamer):
-    def __init__(self):
-        self.tokens = []
-
-    def put(self, value):
-        self.tokens.extend(value.reshape(-1).tolist())
-
-    def end(self):
-        self.tokens.append("END")
-
-
 class _StopAfter(StoppingCriteria):
     def __init__(self, length):
         self.length = length
@@ -150,7 +139,7 @@ def test_streamer_and_stopping_criteria():
     target, draft = _target_and_draft("qwen3")
     draft.generation_config.dspark_verify_policy = FixedLengthPolicy(BLOCK)
     prompt = _prompts(1, seed=4)[0]
-    streamer = _Collect()
+    streamer = CollectingStreamer()
     out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft, streamer=streamer)
     assert streamer.tokens == prompt[0].tolist() + out[0, prompt.shape[1]:].tolist() + ["END"]
     stop = StoppingCriteriaList([_StopAfter(prompt.shape[1] + 7)])

@@ -5,12 +5,12 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, pipeline
+from transformers import PreTrainedTokenizerFast, pipeline
 from transformers.generation.utils import GenerationMixin
 
 import dspark_hf
 from dspark_hf import DSparkCandidateGenerator, FixedLengthPolicy, install_dspark_dispatch
-from tiny_models import markov_draft, random_target, target_next_token_table
+from tiny_models import markov_draft, random_target, reload_half_on_disk, target_next_token_table
 
 VOCAB = 48
 
@@ -69,12 +69,7 @@ def test_other_generation_modes_do_not_touch_dspark(monkeypatch):
 
 def test_target_offloaded_with_device_map(tmp_path):
     target, draft = _pair("llama", num_layers=4)
-    target.save_pretrained(tmp_path / "target")
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-                  "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu",
-                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "target", device_map=device_map,
-                                                     offload_folder=str(tmp_path / "offload"))
+    offloaded = reload_half_on_disk(target, tmp_path)
     assert getattr(offloaded, "hf_device_map", None)
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     expected = target.generate(prompt, max_new_tokens=16, do_sample=False)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dspark_hf import PerPositionThresholdPolicy, ThresholdPolicy
+from generation_helpers import offered_count
 
 
 def test_worked_example_from_the_issue():
@@ -44,12 +45,7 @@ def test_incremental_offer_matches_admit_and_is_non_anticipating():
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         confidences = torch.rand(int(torch.randint(0, 7, (1,), generator=gen)), generator=gen).tolist()
-        offer = policy.start_round()
-        keep = 0
-        for c in confidences:
-            if not offer(c):
-                break
-            keep += 1
+        keep = offered_count(policy, confidences)
         assert keep == policy.admit(confidences)
         # admitting position k depends on c_1..c_k only: changing later confidences changes nothing
         if keep < len(confidences):

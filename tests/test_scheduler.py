@@ -16,6 +16,7 @@ from dspark_hf.cost_model import monotone_step_times
 from dspark_hf.drafting_gate import DraftingGate
 from dspark_hf.policies import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
 from dspark_hf.step_rates import profile_sps, sps_cache_key
+from generation_helpers import offered_count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,13 +504,7 @@ def test_incremental_offer_matches_admit(policy):
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         confidences = torch.rand(int(torch.randint(0, 6, (1,), generator=gen)), generator=gen).tolist()
-        offer = policy.start_round()
-        keep = 0
-        for c in confidences:
-            if not offer(c):
-                break
-            keep += 1
-        assert keep == policy.admit(confidences)
+        assert offered_count(policy, confidences) == policy.admit(confidences)
 
 
 def test_scheduler_module_still_offers_every_name_it_had():

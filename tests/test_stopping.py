@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
-from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf.integration as integration
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
 from dspark_hf.stopping import first_stops
+from generation_helpers import CollectingStreamer, left_pad
 from test_lossless_sampling import DRAFT_PROBS, TARGET_PROBS, _log
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table, tiny_tokenizer
 
@@ -43,17 +43,6 @@ class StopOnToken(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         return torch.isin(input_ids[:, -1], self.tokens)
-
-
-class Collect(BaseStreamer):
-    def __init__(self):
-        self.tokens = []
-
-    def put(self, value):
-        self.tokens.extend(value.reshape(-1).tolist())
-
-    def end(self):
-        self.tokens.append("END")
 
 
 @pytest.fixture
@@ -205,7 +194,7 @@ def test_streamer_and_returned_outputs_end_at_the_stop(cuts):
     for i, prompt in enumerate(_prompts(8, seed=8)):
         n, new = prompt.shape[1], 7 + i
         stop = StoppingCriteriaList([StopAfter([n + new])])
-        streamer = Collect()
+        streamer = CollectingStreamer()
         kwargs = dict(max_new_tokens=30, do_sample=False, stopping_criteria=stop, return_dict_in_generate=True,
                       output_scores=True, output_logits=True, output_hidden_states=True)
         ref = target.generate(prompt, **kwargs)
@@ -280,19 +269,15 @@ def test_max_time_keeps_its_meaning():
 
 
 # ------------------------------------------------------------------------------------------ batched
-def _left_pad(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
 def _batch(seed, rows=5):
-    ids, mask = _left_pad([p[0].tolist() for p in _prompts(rows, seed=seed, high=12)])
+    ids, mask = left_pad([p[0].tolist() for p in _prompts(rows, seed=seed, high=12)], PAD)
     return ids, mask
+
+
+def _batches(count, first_seed):
+    """``count`` batches from seeds ``first_seed``, ``first_seed + 1``, ...; yields (index, ids, mask)."""
+    for index in range(count):
+        yield index, *_batch(seed=first_seed + index)
 
 
 def test_batched_rows_stop_at_their_own_first_firing_position():
@@ -300,8 +285,7 @@ def test_batched_rows_stop_at_their_own_first_firing_position():
     target, draft = _target_and_draft("llama", seed=5, policy=PrefixScheduler(SMOOTH_SPS))
     gen = torch.Generator().manual_seed(12)
     cut_rows = 0
-    for seed in range(3):
-        ids, mask = _batch(seed=20 + seed)
+    for seed, ids, mask in _batches(3, first_seed=20):
         rows, width = ids.shape
         free = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
         words = tokenizer.convert_ids_to_tokens(free[0].tolist())
@@ -324,8 +308,7 @@ def test_batched_seeded_sampling_rows_end_at_their_first_firing_position():
     target, draft = _target_and_draft("qwen3", seed=6, policy=PrefixScheduler(SMOOTH_SPS))
     gen = torch.Generator().manual_seed(13)
     stopped_early = 0
-    for seed in range(4):
-        ids, mask = _batch(seed=30 + seed)
+    for seed, ids, mask in _batches(4, first_seed=30):
         rows, width = ids.shape
         token_stop = StopOnToken(set(torch.randint(2, VOCAB, (3,), generator=gen).tolist()))
         length_stop = StopAfter((width + torch.randint(1, 30, (rows,), generator=gen)).tolist())

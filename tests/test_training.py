@@ -1,8 +1,10 @@
 """Training pieces: the loss on a hand-computed case, anchors, the block mask, loss going down,
 and Sequential Temperature Scaling on synthetic data with known miscalibration."""
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
 from dspark_hf.training.calibration import per_position_ece, sequential_temperature_scaling
@@ -121,18 +123,21 @@ def test_sequential_temperature_scaling_recovers_known_miscalibration():
     assert all(a < 0.02 for a in after) and max(before) > 0.05
 
 
-def test_warm_start_from_a_saved_draft_copies_its_weights_and_refuses_a_mismatch(tmp_path):
-    import dataclasses
-
-    import pytest
-
-    target, items, cfg = _bigram_setup(tmp_path)
-    torch.manual_seed(5)
+def _save_perturbed_draft(target, cfg, folder, seed):
+    """A draft made from ``cfg`` and saved to ``folder`` after a random nudge of every weight, so that
+    its weights differ from any fresh initialisation (a warm start from it is then visible)."""
+    torch.manual_seed(seed)
     saved = make_draft(target, cfg)
     with torch.no_grad():
         for p in saved.parameters():
-            p.add_(torch.randn_like(p) * 0.1)  # differ from any fresh initialisation
-    saved.save_pretrained(tmp_path / "v1")
+            p.add_(torch.randn_like(p) * 0.1)
+    saved.save_pretrained(folder)
+    return saved
+
+
+def test_warm_start_from_a_saved_draft_copies_its_weights_and_refuses_a_mismatch(tmp_path):
+    target, items, cfg = _bigram_setup(tmp_path)
+    saved = _save_perturbed_draft(target, cfg, tmp_path / "v1", seed=5)
     warm = make_draft(target, dataclasses.replace(cfg, init_from_draft=str(tmp_path / "v1")))
     fresh = make_draft(target, cfg)
     for name, value in saved.state_dict().items():
@@ -145,17 +150,8 @@ def test_warm_start_from_a_saved_draft_copies_its_weights_and_refuses_a_mismatch
 
 
 def test_a_reduced_vocabulary_draft_warm_starts_from_a_full_one_with_its_markov_rows(tmp_path):
-    import dataclasses
-
-    import pytest
-
     target, items, cfg = _bigram_setup(tmp_path)
-    torch.manual_seed(6)
-    saved = make_draft(target, cfg)
-    with torch.no_grad():
-        for p in saved.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    saved.save_pretrained(tmp_path / "full")
+    saved = _save_perturbed_draft(target, cfg, tmp_path / "full", seed=6)
     ids = torch.tensor([0, 2, 3, 5, 8, 11])
     reduced_cfg = dataclasses.replace(cfg, draft_vocab_size=ids.numel(), init_from_draft=str(tmp_path / "full"))
     warm = make_draft(target, reduced_cfg, ids)

@@ -7,12 +7,15 @@
 * :func:`markov_draft` - a DSpark draft whose proposals come only from its Markov head, set to a
   designed table ``D[previous token]``; with ``D`` close to the target's own next-token map the
   draft is right often but not always, which exercises every accepted length.
+* :func:`reload_half_on_disk` - a saved 4-layer Llama loaded back with two layers offloaded to disk.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dspark_hf import DSparkDraftModel
 
@@ -109,3 +112,21 @@ def tiny_tokenizer(words: list[str]):
     tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                                "{% if add_generation_prompt %}answer {% endif %}")
     return tokenizer
+
+
+# Layers 0 and 1 on the CPU, 2 and 3 on disk: how accelerate loads a target too large for memory.
+HALF_ON_DISK = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+                "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu",
+                "model.rotary_emb": "cpu", "lm_head": "cpu"}
+
+
+def reload_half_on_disk(model, folder: Path):
+    """``model`` (a 4-layer :func:`random_target` Llama) saved under ``folder/target`` and loaded back
+    with the :data:`HALF_ON_DISK` device map: accelerate's hooks bring layers 2 and 3 in from
+    ``folder/offload`` for every forward."""
+    if model.config.num_hidden_layers != 4:
+        raise ValueError(f"HALF_ON_DISK maps 4 layers; the model has {model.config.num_hidden_layers} "
+                         "(build it with random_target(num_layers=4)).")
+    model.save_pretrained(folder / "target")
+    return AutoModelForCausalLM.from_pretrained(folder / "target", device_map=HALF_ON_DISK,
+                                                offload_folder=str(folder / "offload"))

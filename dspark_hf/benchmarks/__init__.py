@@ -10,6 +10,8 @@
 * :mod:`~dspark_hf.benchmarks.prompt_sets` and ``eval_prompts/``: the shipped prompt sets;
 * :mod:`~dspark_hf.benchmarks.shipped_drafts`: where the repository's SmolLM2 drafts are;
 * :mod:`~dspark_hf.benchmarks.environment`: the environment record stored with every result.
+* :mod:`~dspark_hf.benchmarks.measuring`: the mean time of a call (CUDA events or perf_counter) and
+  the JSON result file, shared by ``benchmarks/``, ``examples/bench_serial_op.py`` and ``tests/gpu``.
 
 Nothing is imported here, so ``python -m dspark_hf.benchmarks.<module>`` runs each module once.
 """

@@ -22,13 +22,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from ..draft_vocab import new_cache, subset_logits
 from ..modeling_dspark import DSparkDraftModel
+from .loss_terms import combine_loss_terms
 
 logger = logging.get_logger(__name__)
 
@@ -180,15 +180,8 @@ def reduced_vocab_loss(
     slots = torch.searchsorted(ids, labels).clamp_(max=ids.numel() - 1)
     inside = ids[slots] == labels
     ce = -log_q.gather(-1, slots.to(log_q.device)[..., None]).squeeze(-1) * inside.to(log_q.device)
-    acceptance = 1.0 - 0.5 * tv
-    total = ce_weight * ce + tv_weight * tv
-    bce = torch.zeros_like(tv)
-    if confidence_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(
-            confidence_logits.float(), acceptance.detach().clamp(0.0, 1.0), reduction="none"
-        )
-        total = total + conf_weight * bce
-    loss = (total * weights).sum(-1).mean()
+    loss, bce, acceptance = combine_loss_terms(ce, tv, confidence_logits, weights, ce_weight=ce_weight,
+                                               tv_weight=tv_weight, conf_weight=conf_weight)
     drafted = ids[draft_logits.argmax(-1).to(ids.device)]
     return {
         "loss": loss,

@@ -40,6 +40,7 @@ from ..heads import confidence_logits
 from ..modeling_dspark import DSparkDraftModel
 from .draft_vocab_training import (add_target_lse, answer_tokens, coverage, ensure_target_lse, reduced_vocab_loss,
                                    select_draft_vocab, special_token_ids, target_subset_logits, token_counts)
+from .loss_terms import combine_loss_terms
 
 logger = logging.get_logger(__name__)
 
@@ -146,15 +147,8 @@ def dspark_loss(
     p_target = torch.softmax(target_logits.float(), dim=-1)
     ce = F.nll_loss(log_p_draft.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels).float()
     tv = (p_draft - p_target).abs().sum(-1)
-    acceptance = 1.0 - 0.5 * tv
-    total = ce_weight * ce + tv_weight * tv
-    bce = torch.zeros_like(tv)
-    if confidence_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(
-            confidence_logits.float(), acceptance.detach().clamp(0.0, 1.0), reduction="none"
-        )
-        total = total + conf_weight * bce
-    loss = (total * weights).sum(-1).mean()
+    loss, bce, acceptance = combine_loss_terms(ce, tv, confidence_logits, weights, ce_weight=ce_weight,
+                                               tv_weight=tv_weight, conf_weight=conf_weight)
     return {
         "loss": loss,
         "ce": ce.mean().detach(),

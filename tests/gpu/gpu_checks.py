@@ -93,24 +93,10 @@ def _setup(dry_run: bool):
 
 def _timer(device: str):
     """ms per call of fn: CUDA events on a GPU, perf_counter on CPU; warm-up calls first."""
-    import torch
+    from dspark_hf.benchmarks.measuring import mean_call_ms
 
     def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
-        for _ in range(warmup):
-            fn()
-        if device == "cpu":
-            start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            return (time.perf_counter() - start) * 1e3 / repeats
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
+        return mean_call_ms(fn, repeats, warmup=warmup, device=device)
 
     return timed
 

@@ -36,6 +36,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from dspark_hf import cuda_ops
+from dspark_hf.benchmarks.measuring import mean_call_ms
 from dspark_hf.configuration_dspark import DSparkConfig
 from dspark_hf.heads import ConfidenceHead, MarkovHead
 from dspark_hf.sampling import SerialSample, serial_sample
@@ -505,15 +506,7 @@ def test_op_is_faster_than_the_loop(built, rows):
     U, H, anchor, _ = make_inputs(case, "cuda")
 
     def timed(fn, repeats=5):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
+        return mean_call_ms(fn, repeats, warmup=1)
 
     with torch.no_grad():
         op_ms = timed(lambda: serial_sample(heads, U, H, anchor, do_sample=False, backend="cuda"))
