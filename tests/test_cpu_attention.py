@@ -17,8 +17,8 @@ def _cached_step_logits(model, context, new_tokens):
     """Logits of a multi-token step on a cached context: the verify forward's shape."""
     cache = DynamicCache()
     with torch.no_grad():
-        model(context, past_key_values=cache, use_cache=True)
-        return model(new_tokens, past_key_values=cache, use_cache=True).logits
+        model(context, cache=cache, use_cache=True)
+        return model(new_tokens, cache=cache, use_cache=True).logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
