@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from dspark_hf import DSparkDraftModel
 from dspark_hf.training.calibration import per_position_ece, sequential_temperature_scaling
 from dspark_hf.training.trainer import (
     TrainingConfig,
@@ -98,9 +99,15 @@ def test_training_steps_reduce_the_loss_and_resume(tmp_path):
     target, items, cfg = _bigram_setup(tmp_path)
     torch.manual_seed(cfg.seed)
     before = _eval_loss(make_draft(target, cfg).eval(), target, items, cfg)
+    cfg.snapshot_every = 40
     draft = train(target, items, cfg, tmp_path / "draft")
     after = _eval_loss(draft.eval(), target, items, cfg)
     assert after < 0.7 * before, (before, after)
+    # the step-40 snapshot is a loadable draft, part-way between the start and the end
+    assert sorted(p.name for p in (tmp_path / "draft" / "snapshots").iterdir()) == ["step-40"]
+    snapshot = DSparkDraftModel.from_pretrained(tmp_path / "draft" / "snapshots" / "step-40").eval()
+    snapshot.bind_target(target)
+    assert after < _eval_loss(snapshot, target, items, cfg) < before
     log = (tmp_path / "draft" / "train_log.jsonl").read_text().splitlines()
     assert len(log) == 4 and "accuracy_per_position" in log[-1]
     assert (tmp_path / "draft" / "checkpoint" / "step.json").exists()

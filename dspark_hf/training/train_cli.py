@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-from-draft", default=None,
                         help="warm start from a saved draft folder with the same architecture")
     parser.add_argument("--save-every", type=int, default=TrainingConfig.save_every)
+    parser.add_argument("--snapshot-every", type=int, default=0,
+                        help="also save the draft to OUTPUT/snapshots/step-N every N steps (for a tau-over-steps curve)")
     parser.add_argument("--prepare-only", action="store_true", help="only build the corpus and the feature cache")
     parser.add_argument("--fp16", action="store_true", help="save the draft in fp16")
     parser.add_argument("--draft-vocab-size", type=int, default=0,
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                          confidence_head=not args.no_confidence_head,
                          confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
                          mask_token_id=smollm2.mask_token_id(tokenizer), init_from_draft=args.init_from_draft,
-                         save_every=args.save_every, draft_vocab_size=args.draft_vocab_size or None)
+                         save_every=args.save_every, snapshot_every=args.snapshot_every, draft_vocab_size=args.draft_vocab_size or None)
     cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
     tokens = sum(min(len(r["prompt_ids"]) + len(r["answer_ids"]), cfg.max_seq_len) for r in records)
     feature_gb = tokens * (len(cfg.target_layer_ids) + 1) * target.config.hidden_size * 2 / 1e9

@@ -81,6 +81,7 @@ class TrainingConfig:
     draft_vocab_size: int | None = None  # reduced draft vocabulary of N ids (dspark_hf.draft_vocab); 0/None = all
     held_out_sequences: int = 32
     save_every: int = 200
+    snapshot_every: int = 0  # also save the draft itself to snapshots/step-N every N steps (0 = never)
     log_every: int = 10
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -343,6 +344,8 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
 
     ``output_dir/checkpoint`` holds the accelerate state every ``save_every`` steps; ``resume``
     continues from it. ``output_dir/train_log.jsonl`` gets one line per ``log_every`` steps.
+    With ``snapshot_every``, ``output_dir/snapshots/step-N`` holds the draft after N steps, loadable
+    with ``from_pretrained`` (so accepted length can be measured along the run, not only at its end).
     """
     from accelerate import Accelerator
 
@@ -411,6 +414,10 @@ def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, outpu
             log.flush()
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{acc[0]:.2f}")
             window = []
+        if cfg.snapshot_every and (step + 1) % cfg.snapshot_every == 0 and step + 1 < cfg.max_steps:
+            draft.eval()
+            unwrapped.save_pretrained(output_dir / "snapshots" / f"step-{step + 1}")
+            draft.train()
         if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
             accelerator.save_state(str(checkpoint))
             (checkpoint / "step.json").write_text(json.dumps({"step": step + 1}))
