@@ -57,10 +57,10 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingC
 
 from transformers.utils import logging
 
-from .candidate_generator import lookup_step_rates
 from .configuration_dspark import hidden_state_indices
 from .context_lookup import LookupProposal, SourceChooser
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
+from .policies import lookup_step_rates
 from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
                      record_source_round)
 from .sampling import NON_FINITE_DRAFT_WARNING, SerialSample, serial_sample

@@ -32,21 +32,10 @@ from .modeling_dspark import DSparkDraftModel
 from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
                      record_source_round)
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
-from .scheduler import PrefixScheduler, VerifyPolicy, shared_cost_model
+from .policies import VerifyPolicy, lookup_step_rates
 from .settings import record_generation_stats, resolve_settings
 
 logger = logging.get_logger(__name__)
-
-
-def lookup_step_rates(policy: VerifyPolicy, target: PreTrainedModel, max_lookup_tokens: int) -> tuple[float, ...]:
-    """The step-rate table the lookup choice reads: the prefix scheduler's (its live cost model's,
-    long enough for the longest proposal and its anchor), else the target's shared cost model."""
-    length = max_lookup_tokens + 1
-    if isinstance(policy, PrefixScheduler):
-        if policy.cost_model is None:
-            return policy.sps
-        return policy.cost_model.sps(max(length, policy.max_tokens))
-    return shared_cost_model(target).sps(length)
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -289,4 +278,4 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
 
 # RoundStats and DSparkGenerationStats live in dspark_hf.rounds; importing them from here keeps working.
-__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats", "lookup_step_rates"]
+__all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats"]

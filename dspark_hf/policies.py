@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .cost_model import StepCostModel
-from .step_rates import profile_sps
+from .step_rates import profile_sps, shared_cost_model
 
 __all__ = [
     "VerifyPolicy",
@@ -39,6 +39,7 @@ __all__ = [
     "ThresholdPolicy",
     "PerPositionThresholdPolicy",
     "offer_until_refused",
+    "lookup_step_rates",
 ]
 
 
@@ -462,3 +463,14 @@ class PrefixScheduler(VerifyPolicy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sps=<{len(self.sps)} entries, SPS(1)={self.sps[0]:.4g}>)"
+
+
+def lookup_step_rates(policy: VerifyPolicy, target: torch.nn.Module, max_lookup_tokens: int) -> tuple[float, ...]:
+    """The step-rate table the lookup choice reads: the prefix scheduler's (its live cost model's,
+    long enough for the longest proposal and its anchor), else the target's shared cost model."""
+    length = max_lookup_tokens + 1
+    if isinstance(policy, PrefixScheduler):
+        if policy.cost_model is None:
+            return policy.sps
+        return policy.cost_model.sps(max(length, policy.max_tokens))
+    return shared_cost_model(target).sps(length)
