@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
@@ -113,16 +114,13 @@ def add_target_lse(items: list[dict], target_head: nn.Module, rows_per_batch: in
     ``logsumexp(target_head(final))`` computed exactly as training computes the target's logits
     (float32 final hidden states). Returns how many items were completed."""
     weight = target_head.weight
-    done = 0
-    for item in items:
-        if "target_lse" in item:
-            continue
+    missing = [item for item in items if "target_lse" not in item]
+    for item in tqdm(missing, desc="Target log-normalisers", unit="seq", disable=not missing):
         final = item["final"]
         parts = [torch.logsumexp(target_head(final[start:start + rows_per_batch].to(weight.device, torch.float32))
                                  .float(), dim=-1).cpu() for start in range(0, final.shape[0], rows_per_batch)]
         item["target_lse"] = torch.cat(parts) if parts else torch.empty(0)
-        done += 1
-    return done
+    return len(missing)
 
 
 def ensure_target_lse(items: list[dict], target_head: nn.Module, path: Path, layer_ids: list[int]) -> None:
