@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from ..modeling_dspark import DSparkDraftModel
 from ..scheduler import shared_cost_model
 from ..training.data import trim_after_eos
+from .evaluation import left_padded
 
 
 @torch.no_grad()
@@ -37,11 +38,7 @@ def run_batch_sweep(
     results = []
     for turn, size in enumerate(tqdm(batch_sizes, desc="batch sizes", disable=not progress)):
         batch = [prompts[i % len(prompts)] for i in range(size)]
-        width = max(len(p) for p in batch)
-        ids = torch.full((size, width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids, mask = left_padded(batch, pad_token_id)
         common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
         # Untimed warm-up: profiles (or loads) the SPS table for this R.
         target.generate(ids[:, -4:], attention_mask=mask[:, -4:], max_new_tokens=2, do_sample=False,
@@ -74,7 +71,7 @@ def run_batch_sweep(
             start = time.perf_counter()
             out = run()
             seconds = time.perf_counter() - start
-            token_rows = out if name == "dspark_r1" else out[:, width:].tolist()
+            token_rows = out if name == "dspark_r1" else out[:, ids.shape[1]:].tolist()
             generated = [trim_after_eos(r, eos_ids) for r in token_rows]
             outputs[name] = generated
             row[f"{name}_tokens_per_s"] = sum(len(g) for g in generated) / seconds

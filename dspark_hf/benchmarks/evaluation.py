@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..modeling_dspark import DSparkDraftModel
 from ..scheduler import FixedLengthPolicy
-from ..training.data import chat_prompt_ids
+from ..training.data import chat_prompt_ids, trim_after_eos
 from .environment import capture_environment
 from .prompt_sets import DATASETS, load_eval_prompts
 from .summary import merge_stats
@@ -60,7 +60,8 @@ def measure_acceptance(target, tokenizer, draft: DSparkDraftModel, prompts: list
                               pad_token_id=pad_token_id, assistant_model=draft, dspark_verify_policy=full_block)
         new = out[:, ids.shape[1]:]
         # a finished row is padded after its EOS; its new tokens end at the first EOS
-        tokens += sum(_generated_length(row, tokenizer.eos_token_id) for row in new)
+        eos_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        tokens += sum(len(trim_after_eos(row.tolist(), eos_ids)) for row in new)
         collected.append(draft.last_generation_stats)
     stats = merge_stats(collected)
     return {
@@ -71,14 +72,6 @@ def measure_acceptance(target, tokenizer, draft: DSparkDraftModel, prompts: list
         "new_tokens": tokens,
         "seconds": time.perf_counter() - start,
     }
-
-
-def _generated_length(new_tokens: torch.Tensor, eos_token_id: int | None) -> int:
-    """Tokens generated in one row: up to and including its first EOS, else all of them."""
-    if eos_token_id is None:
-        return new_tokens.numel()
-    hits = (new_tokens == eos_token_id).nonzero()
-    return int(hits[0, 0]) + 1 if hits.numel() else new_tokens.numel()
 
 
 def tau_table(result_files: list[str | Path], first: str = "smollm2-135m-dspark",
