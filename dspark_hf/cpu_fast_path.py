@@ -159,6 +159,32 @@ class PackedLinear(nn.Linear):
         return _packed_linear(input, self._packed_weight(), self.bias)
 
 
+def pack_linear(module: nn.Linear, packed_min_rows: int | None = None) -> int:
+    """Turns one plain float32 CPU ``nn.Linear`` into a :class:`PackedLinear` in place (parameters,
+    hooks and ties untouched) and packs its weight; returns the crossover in input rows it uses.
+
+    For callers that have already checked :func:`fast_path_unavailable_reason` and the layer (plain
+    ``nn.Linear``, float32, on CPU); :func:`optimize_for_cpu` is the public entry point.
+    """
+    module.__class__ = PackedLinear
+    if hasattr(module, "_old_forward"):  # accelerate's hook calls the forward it saved
+        module._old_forward = types.MethodType(PackedLinear.forward, module)
+    min_rows = packed_min_rows or measure_packed_min_rows(module.weight)
+    object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, min_rows)
+    with torch.no_grad():
+        module._packed_weight()
+    return min_rows
+
+
+def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
+    """``module`` packed the way ``source`` is: when ``source`` is a :class:`PackedLinear` (the model
+    went through :func:`optimize_for_cpu`) and ``module`` is a plain float32 CPU ``nn.Linear``, it is
+    packed in place, with the crossover measured for its own shape; otherwise it is returned as it is."""
+    if isinstance(source, PackedLinear) and _skip_reason(module) is None:
+        pack_linear(module)
+    return module
+
+
 def _skip_reason(module: nn.Linear) -> str | None:
     weight = module.weight
     if weight.device.type == "meta":
@@ -229,13 +255,7 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
             if reason is not None:
                 skipped.setdefault(reason, []).append(name)
                 continue
-            module.__class__ = PackedLinear
-            if hasattr(module, "_old_forward"):  # accelerate's hook calls the forward it saved
-                module._old_forward = types.MethodType(PackedLinear.forward, module)
-            min_rows = packed_min_rows or measure_packed_min_rows(module.weight)
-            object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, min_rows)
-            crossovers[tuple(module.weight.shape)] = min_rows
-            module._packed_weight()
+            crossovers[tuple(module.weight.shape)] = pack_linear(module, packed_min_rows)
             packed_bytes += module.weight.numel() * module.weight.element_size()
     num_packed = len(to_pack) - sum(len(names) for names in skipped.values())
     logger.info(
@@ -255,4 +275,4 @@ def is_optimized_for_cpu(model: nn.Module) -> bool:
 
 
 __all__ = ["PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "measure_packed_min_rows",
-           "optimize_for_cpu"]
+           "optimize_for_cpu", "pack_linear", "packed_like"]

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_fast_path import packed_like
+
 BUFFER_NAME = "draft_vocab_ids"
 
 
@@ -132,31 +134,46 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tensor._version, str(tensor.device), tensor.dtype, tuple(tensor.shape))
 
 
-def gathered_head_weight(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCache) -> torch.Tensor:
-    """The rows ``ids`` of ``head.weight`` (N, d), on the weight's device and dtype.
+def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCache) -> nn.Linear:
+    """A frozen ``nn.Linear`` holding the rows ``ids`` of ``head`` (weight and bias), cached in ``cache``.
 
-    Cached in ``cache`` for a frozen head (the usual case: a borrowed target head); a head being
-    trained (gradients recorded) is gathered each call so its gradient reaches the full weight.
+    It runs the way ``head`` runs: when ``head`` was packed by
+    :func:`~dspark_hf.cpu_fast_path.optimize_for_cpu`, so is the gathered layer. Without this the
+    reduced head would take the stock multi-row CPU path that the fast path exists to avoid (a
+    16,384-row subset of SmolLM2's head then cost more per draft round than the packed full head).
     """
-    weight = head.weight
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return weight.index_select(0, ids.to(weight.device))
+    weight, bias = head.weight, getattr(head, "bias", None)
 
     def build():
         with torch.no_grad():
-            return weight.index_select(0, ids.to(weight.device)).contiguous()
+            rows = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=weight.device,
+                             dtype=weight.dtype)
+            rows.weight.copy_(weight.index_select(0, ids.to(weight.device)))
+            if bias is not None:
+                rows.bias.copy_(bias.index_select(0, ids.to(bias.device)))
+        rows.requires_grad_(False)
+        return packed_like(head, rows)
 
-    return cache.get((_tensor_key(weight), _tensor_key(ids)), build)
+    key = (_tensor_key(weight), _tensor_key(ids), None if bias is None else _tensor_key(bias), type(head))
+    return cache.get(key, build)
 
 
 def subset_logits(head: nn.Module, hidden_states: torch.Tensor, ids: torch.LongTensor,
                   cache: _SingleEntryCache) -> torch.Tensor:
-    """Logits of the subset ``ids`` only, ``(..., N)``: ``hidden_states @ head.weight[ids].T`` (+ bias)."""
-    weight = gathered_head_weight(head, ids, cache)
-    bias = getattr(head, "bias", None)
-    if bias is not None:
-        bias = bias.index_select(0, ids.to(bias.device))
-    return F.linear(hidden_states.to(weight.device, weight.dtype), weight, bias)
+    """Logits of the subset ``ids`` only, ``(..., N)``: ``hidden_states @ head.weight[ids].T`` (+ bias).
+
+    A head being trained (gradients recorded) is gathered each call so its gradient reaches the full
+    weight; a frozen one runs from :func:`gathered_head`.
+    """
+    if torch.is_grad_enabled() and head.weight.requires_grad:
+        weight = head.weight
+        bias = getattr(head, "bias", None)
+        if bias is not None:
+            bias = bias.index_select(0, ids.to(bias.device))
+        return F.linear(hidden_states.to(weight.device, weight.dtype), weight.index_select(0, ids.to(weight.device)),
+                        bias)
+    rows = gathered_head(head, ids, cache)
+    return rows(hidden_states.to(rows.weight.device, rows.weight.dtype))
 
 
 def scatter_to_vocab(values: torch.Tensor, ids: torch.LongTensor, vocab_size: int, fill: float) -> torch.Tensor:
@@ -201,10 +218,10 @@ def cuda_op_markov_w2(draft) -> torch.Tensor:
 
 
 def new_cache() -> _SingleEntryCache:
-    """An empty cache for :func:`gathered_head_weight` / :func:`full_vocab_markov_w2`."""
+    """An empty cache for :func:`gathered_head` / :func:`full_vocab_markov_w2`."""
     return _SingleEntryCache()
 
 
 __all__ = ["BUFFER_NAME", "as_draft_vocab_ids", "check_draft_vocab_ids", "check_loaded_draft_vocab",
-           "cuda_op_markov_w2", "draft_vocab_problem", "full_vocab_markov_w2", "gathered_head_weight",
+           "cuda_op_markov_w2", "draft_vocab_problem", "full_vocab_markov_w2", "gathered_head",
            "markov_bias", "new_cache", "scatter_to_vocab", "subset_logits"]

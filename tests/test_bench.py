@@ -77,6 +77,9 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
     DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).save_pretrained(dspark_dir)
     DSparkDraftModel.from_target(target, block_size=4, markov_rank=0, confidence_head=False).save_pretrained(
         dflash_dir)
+    candidate_dir = tmp_path / "candidate"  # a reduced-vocabulary draft, weighed against the first
+    DSparkDraftModel.from_target(target, block_size=4, markov_rank=8, draft_vocab_ids=range(0, 48, 2)).save_pretrained(
+        candidate_dir)
     prompt_dir = tmp_path / "prompts"
     prompt_dir.mkdir()
     gen = torch.Generator().manual_seed(0)
@@ -87,7 +90,8 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
 
     out = tmp_path / "out"
     result = bench.main(["--quick", "--target", str(target_dir), "--dspark", str(dspark_dir), "--dflash",
-                         str(dflash_dir), "--prompt-dir", str(prompt_dir), "--max-new-tokens", "12", "--out", str(out),
+                         str(dflash_dir), "--candidate", str(candidate_dir), "--prompt-dir", str(prompt_dir),
+                         "--max-new-tokens", "12", "--out", str(out),
                          "--batch-sizes", "1", "3"])
 
     for name in ("bench.json", "bench.md", "speedup.png", "acceptance.png", "sps.png"):
@@ -96,7 +100,7 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
     rows = saved["summary"]
     methods = {r["method"] for r in rows}
     assert methods == {"target", "target-stock", "dspark-scheduler", "dspark-no-lookup", "dspark-fixed-3",
-                       "dflash-fixed-7", "prompt-lookup"}
+                       "dflash-fixed-7", "prompt-lookup", "candidate-scheduler", "candidate-no-lookup"}
     assert len(rows) == 3 * 2 * len(methods)  # datasets x modes x methods
     assert {len([r for r in saved["runs"] if r["method"] == m]) for m in methods} == {3 * 2 * 2}  # 2 prompts
     for row in rows:
@@ -105,7 +109,7 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
             assert row["speedup"] == pytest.approx(1.0)
         elif row["mode"] == "greedy":
             assert row["identical_to_target"] is True, row
-        if row["method"].startswith(("dspark", "dflash")):
+        if row["method"].startswith(("dspark", "dflash", "candidate")):
             assert row["rounds"] > 0 and row["tau"] >= 1.0
             assert sum(row["scheduled_length_histogram"]) == row["rounds"]
     fixed = [r for r in rows if r["method"] == "dspark-fixed-3"]

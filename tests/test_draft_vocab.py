@@ -14,7 +14,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler
-from dspark_hf.draft_vocab import check_draft_vocab_ids, scatter_to_vocab
+from dspark_hf.cpu_fast_path import PackedLinear
+from dspark_hf.draft_vocab import check_draft_vocab_ids, gathered_head, scatter_to_vocab
 from dspark_hf.training.draft_vocab_training import (
     coverage,
     coverage_table,
@@ -162,6 +163,29 @@ def test_greedy_generation_with_a_reduced_draft_equals_the_target():
         assert torch.equal(assisted, plain)
         accepted += sum(r.accepted for r in draft.last_generation_stats.rounds)
     assert accepted > 0  # the draft was used, and its tokens accepted
+
+
+def test_reduced_head_runs_packed_when_the_target_is_prepared_for_cpu():
+    # Without this the N gathered rows take the stock multi-row CPU kernel and a reduced draft is
+    # slower per round than a full-vocabulary one on a prepared target.
+    target = _target()
+    draft = _reduced_draft(target)
+    draft.bind_target(target)
+    hidden = torch.randn(1, 5, target.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        stock = draft.draft_vocab_logits(hidden)
+        assert type(gathered_head(target.lm_head, draft.draft_vocab_ids, draft._draft_vocab_caches[0])) is torch.nn.Linear
+        dspark_hf.optimize_for_cpu(target, packed_min_rows=1)
+        rows = gathered_head(target.lm_head, draft.draft_vocab_ids, draft._draft_vocab_caches[0])
+        assert isinstance(rows, PackedLinear)  # re-gathered because the head became packed
+        torch.testing.assert_close(draft.draft_vocab_logits(hidden), stock, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stock, hidden @ target.lm_head.weight[draft.draft_vocab_ids].T)
+        target.lm_head.weight.mul_(2.0)  # an in-place change is seen: gathered again
+        torch.testing.assert_close(draft.draft_vocab_logits(hidden), 2 * stock, rtol=1e-5, atol=1e-5)
+        target.lm_head.weight.mul_(0.5)
+    prompt = torch.tensor([[1, 4, 9, 2]])
+    plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft), plain)
 
 
 def _reduced_chi_square_draft(ids):

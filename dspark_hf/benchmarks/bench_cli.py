@@ -12,6 +12,8 @@ order of methods rotates from one prompt to the next), so drift of the machine h
   profiled prior corrected by every round), the drafting gate and context lookup as a second
   draft source (the "lookup" column: share of rounds that verified a lookup proposal);
 * ``dspark-no-lookup``: the same without context lookup (``prompt_lookup_num_tokens=0``);
+* ``candidate-scheduler``, ``candidate-no-lookup``: the two above with the draft given by
+  ``--candidate`` (a draft being weighed against the shipped one, in the same interleaved run);
 * ``dspark-fixed-{1,3,7}``: DSpark verifying a fixed number of draft tokens;
 * ``dspark-threshold``: DSpark with a static confidence threshold on prefix survival;
 * ``dflash-fixed-7``: the DFlash ablation (no Markov head, no confidence head), full block;
@@ -73,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dspark", help=f"DSpark draft (default: {DSPARK_DRAFT} in the drafts folder)")
     parser.add_argument("--dflash", help=f"DFlash ablation draft ('none' to skip; default: {DFLASH_DRAFT} in the "
                         "drafts folder)")
+    parser.add_argument("--candidate", help="a second DSpark draft (folder or Hub id), run with its defaults as "
+                        "methods candidate-scheduler and candidate-no-lookup in the same interleaved run")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
     parser.add_argument("--prompt-dir", help="folder with <dataset>.jsonl (default: $DSPARK_EVAL_PROMPTS, else the "
                         "sets shipped in dspark_hf/benchmarks/eval_prompts)")
@@ -122,6 +126,8 @@ def load_models(args: argparse.Namespace):
     drafts = {"dspark": DSparkDraftModel.from_pretrained(args.dspark).float().eval()}
     if args.dflash.lower() != "none":
         drafts["dflash"] = DSparkDraftModel.from_pretrained(args.dflash).float().eval()
+    if args.candidate:
+        drafts["candidate"] = DSparkDraftModel.from_pretrained(args.candidate).float().eval()
     stock_target = copy.deepcopy(target)
     if not args.no_fast_path:
         optimize_for_cpu(target)
@@ -132,7 +138,8 @@ def load_models(args: argparse.Namespace):
 
 def bench_methods(args: argparse.Namespace, parser: argparse.ArgumentParser, drafts: dict):
     """The methods to run: the default list, or the subset named by ``--methods`` (plus ``target``)."""
-    methods = default_methods("dspark", "dflash" if "dflash" in drafts else None, quick=args.quick)
+    methods = default_methods("dspark", "dflash" if "dflash" in drafts else None, quick=args.quick,
+                              candidate="candidate" if "candidate" in drafts else None)
     if args.methods:
         unknown = set(args.methods) - {m.name for m in methods}
         if unknown:

@@ -36,11 +36,16 @@ class BenchMethod:
     lookup: bool = True  # DSpark: context lookup as a second draft source (its default)
 
 
-def default_methods(dspark: str = "dspark", dflash: str | None = "dflash", *, quick: bool = False) -> list[BenchMethod]:
-    """The issue's method list (a shorter one with ``quick``)."""
+def default_methods(dspark: str = "dspark", dflash: str | None = "dflash", *, quick: bool = False,
+                    candidate: str | None = None) -> list[BenchMethod]:
+    """The issue's method list (a shorter one with ``quick``); ``candidate`` names a second DSpark
+    draft run like ``dspark-scheduler`` and ``dspark-no-lookup`` (``candidate-scheduler``, ``candidate-no-lookup``)."""
     methods = [BenchMethod("target", "target"), BenchMethod("target-stock", "target-stock"),
                BenchMethod("dspark-scheduler", "dspark", dspark, "scheduler"),
                BenchMethod("dspark-no-lookup", "dspark", dspark, "scheduler", lookup=False)]
+    if candidate is not None:
+        methods += [BenchMethod("candidate-scheduler", "dspark", candidate, "scheduler"),
+                    BenchMethod("candidate-no-lookup", "dspark", candidate, "scheduler", lookup=False)]
     lengths = (3,) if quick else (1, 3, 7)
     methods += [BenchMethod(f"dspark-fixed-{k}", "dspark", dspark, ("fixed", k)) for k in lengths]
     if not quick:
