@@ -7,7 +7,7 @@ given with ``--fit`` (default: all), the usual shape of a slowly saturating curv
 extrapolation, and says so.
 
     python benchmarks/tau_curve.py --dataset gsm8k --mode greedy \
-        --point v1:1400:1929:results/tau_v1_dspark.json --point v2:3400:4832:results/tau_dspark.json \
+        --point v1:1400:1929:results/tau_v1_dspark.json --point v2:3400:4832:results/tau_v2_dspark.json \
         --target 2.5 --out results/tau_curve.json
 """
 

@@ -37,7 +37,8 @@ def measured_table(result_files: list[Path], this_draft: str) -> dict | None:
     threads = env.get("torch_threads", env.get("threads"))
     return {
         "setup": (f"target SmolLM2-135M-Instruct fp32 on CPU ({threads} thread), first {settings['num_prompts']} "
-                  f"prompts per dataset, chat template, {settings['max_new_tokens']} new tokens, full block verified; "
+                  f"prompts per dataset ({settings.get('batch_size', 1)} per batch), chat template, "
+                  f"{settings['max_new_tokens']} new tokens, full block verified; "
                   f"greedy and temperature 1.0; measured {env['date']}"),
         "results": results,
         "source": "python -m dspark_hf.benchmarks.evaluation (results/tau_*.json)",
@@ -56,15 +57,17 @@ def main() -> None:
         log = [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines() if line.strip()]
         # Log lines come every `log_every` steps; extrapolate the first interval from the rest.
         minutes = (log[-1]["time"] - log[0]["time"]) / 60 * log[-1]["step"] / (log[-1]["step"] - log[0]["step"])
-        facts = {"data": "the first 4,864 records of data/smollm2-onpolicy: the target's own answers (half greedy, half "
+        facts = {"data": "the first 5,120 records of data/smollm2-onpolicy: the target's own answers (half greedy, half "
                          "temperature 1.0) to ShareGPT first turns, DeepMind mathematics, CHAMP and code-docstring "
                          "prompts (docs/training-data.md; 32 held out for calibration)",
-                 "warm start": "the v1 draft (1,400 steps on 320 target-answered ShareGPT prompts plus 1,700 ShareGPT "
-                               "conversations with their original answers; git commit 29be359)",
+                 "draft vocabulary": f"{training['draft_vocab_size']:,} ids: the most frequent answer tokens of the "
+                                     "training split and the special tokens (docs/training.md)",
+                 "warm start": "the v2 draft (git commit 344dacc): 2,000 steps on 4,864 on-policy records, itself "
+                               "warm-started from v1 (1,400 steps; git commit 29be359)",
                  "steps": training["max_steps"], "sequences per step": training["sequences_per_step"],
                  "anchors per sequence": training["anchors_per_sequence"], "learning rate": training["learning_rate"],
                  "hardware": f"2-core CPU, one thread, {minutes:.0f} minutes of training steps (from the training log)",
-                 "reproduce": f"bash examples/train_smollm2_drafts_v2.sh 4864 {training['max_steps']}"}
+                 "reproduce": f"bash examples/train_smollm2_drafts_v3.sh 5120 {training['max_steps']}"}
         card = render_model_card(folder, measured_table(files, name), base_model=BASE_MODEL,
                                  repo_id=f"dspark-hf/{name}", training=facts)
         (ROOT / "model_cards" / f"{name}.md").write_text(card)
