@@ -210,7 +210,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     losslessness does not depend on it (draft and target are verified, not trusted).
 
     Use it on CPU for the target and for the draft (whose vocabulary projection is its largest
-    matrix; a draft that borrows the target's LM head shares the target's packed one).
+    matrix; a draft that borrows the target's LM head shares the target's packed one, and a draft
+    with a reduced draft vocabulary packs its gathered rows when that head is packed).
 
     It is idempotent, and a logged no-op for layers it does not handle: other devices, other dtypes,
     weights offloaded by accelerate, ``nn.Linear`` subclasses (e.g. quantised layers). When this
