@@ -179,9 +179,10 @@ def pack_linear(module: nn.Linear, packed_min_rows: int | None = None) -> int:
 def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
     """``module`` packed the way ``source`` is: when ``source`` is a :class:`PackedLinear` (the model
     went through :func:`optimize_for_cpu`) and ``module`` is a plain float32 CPU ``nn.Linear``, it is
-    packed in place, with the crossover measured for its own shape; otherwise it is returned as it is."""
+    packed in place with ``source``'s crossover (no timing probe: this can run inside a generation, and
+    it keeps a ``packed_min_rows`` the user chose); otherwise it is returned as it is."""
     if isinstance(source, PackedLinear) and _skip_reason(module) is None:
-        pack_linear(module)
+        pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1))
     return module
 
 

@@ -174,9 +174,10 @@ def test_reduced_head_runs_packed_when_the_target_is_prepared_for_cpu():
     hidden = torch.randn(1, 5, target.config.hidden_size, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         stock = draft.draft_vocab_logits(hidden)
-        assert type(gathered_head(target.lm_head, draft.draft_vocab_ids, draft._draft_vocab_caches[0])) is torch.nn.Linear
+        cache = draft._draft_vocab_caches[0]
+        assert type(gathered_head(target.lm_head, draft.draft_vocab_ids, cache)) is torch.nn.Linear
         dspark_hf.optimize_for_cpu(target, packed_min_rows=1)
-        rows = gathered_head(target.lm_head, draft.draft_vocab_ids, draft._draft_vocab_caches[0])
+        rows = gathered_head(target.lm_head, draft.draft_vocab_ids, cache)
         assert isinstance(rows, PackedLinear)  # re-gathered because the head became packed
         torch.testing.assert_close(draft.draft_vocab_logits(hidden), stock, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(stock, hidden @ target.lm_head.weight[draft.draft_vocab_ids].T)
