@@ -1,7 +1,8 @@
-"""The ``dspark-hf`` command: ``dspark-hf bench|train|evaluate|profile|export ...``.
+"""The ``dspark-hf`` command: ``dspark-hf bench|train|datagen|evaluate|profile|export ...``.
 
 Each subcommand is the CLI of one tooling module (``--help`` on it shows its options):
 ``bench`` -> :mod:`dspark_hf.benchmarks.bench_cli`, ``train`` -> :mod:`dspark_hf.training.train_cli`,
+``datagen`` -> :mod:`dspark_hf.training.datagen`,
 ``evaluate`` -> :mod:`dspark_hf.benchmarks.evaluation`, ``profile`` -> :mod:`dspark_hf.benchmarks.profile_cli`,
 ``export`` -> :mod:`dspark_hf.hub.export_cli`.
 """
@@ -13,8 +14,8 @@ import sys
 
 # Imported only when its subcommand runs, so `dspark-hf <command>` loads one tool.
 COMMANDS = {"bench": "dspark_hf.benchmarks.bench_cli", "train": "dspark_hf.training.train_cli",
-            "evaluate": "dspark_hf.benchmarks.evaluation", "profile": "dspark_hf.benchmarks.profile_cli",
-            "export": "dspark_hf.hub.export_cli"}
+            "datagen": "dspark_hf.training.datagen", "evaluate": "dspark_hf.benchmarks.evaluation",
+            "profile": "dspark_hf.benchmarks.profile_cli", "export": "dspark_hf.hub.export_cli"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -178,25 +178,29 @@ def test_max_prompts_then_full_run(tmp_path, target, tokenizer):
 
 
 def test_training_cli_trains_on_a_datagen_folder(tmp_path, target, tokenizer, monkeypatch):
-    from dspark_hf.training import smollm2
+    from dspark_hf.training import pipeline
     from dspark_hf.training import train_cli as training
 
     folder = tmp_path / "corpus"
     config = _config(max_new_tokens=16, batch_size=8, shard_size=16)
     plan = prepare_folder(folder, tokenizer, config, prompts=_prompts(40))
     run_datagen(target, tokenizer, folder, plan, {**config, "format_version": FORMAT_VERSION}, show_progress=False)
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
     monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(smollm2, "load_smollm2", lambda: (target, tokenizer))
-    monkeypatch.setattr(smollm2, "mask_token_id", lambda tok: 1)
     built = []
-    real_cache = training.build_feature_cache
-    monkeypatch.setattr(training, "build_feature_cache", lambda *a, **k: built.append(a[1]) or real_cache(*a, **k))
-    training.main(["--corpus", str(folder), "--output", str(tmp_path / "draft"), "--max-steps", "3",
-                   "--markov-rank", "0", "--no-confidence-head", "--max-sequences", "36"])
-    assert built[0] == load_onpolicy_corpus(folder)[:36]  # the shards, as they are, nothing generated
+    real_build = pipeline.build_feature_chunks
+    monkeypatch.setattr(pipeline, "build_feature_chunks", lambda *a, **k: built.append(a[1]) or real_build(*a, **k))
+    generated = []
+    monkeypatch.setattr(pipeline, "run_datagen", lambda *a, **k: generated.append(a))
+    training.main(["--target", str(tmp_path / "target"), "--corpus", str(folder), "--output", str(tmp_path / "draft"),
+                   "--max-steps", "3", "--markov-rank", "0", "--no-confidence-head", "--max-sequences", "36",
+                   "--features", "cached", "--no-progress"])
+    assert built[0] == load_onpolicy_corpus(folder)[:36] and not generated  # the shards, as they are
     assert (tmp_path / "draft" / "config.json").exists()
     assert len((tmp_path / "draft" / "train_log.jsonl").read_text().splitlines()) == 1
-    assert list((tmp_path / "cache" / "data").glob("corpus.n36.layers*.pt"))  # features outside the data folder
+    assert list((tmp_path / "cache" / "features").glob("*/chunk-*.pt"))  # features outside the data folder
+    assert not list(folder.glob("chunk-*"))
 
 
 def test_folder_with_other_settings_is_refused(tmp_path, tokenizer):

@@ -20,6 +20,7 @@ import torch
 from ..draft_vocab import scatter_to_vocab
 from ..heads import calibrated_confidences
 from ..modeling_dspark import DSparkDraftModel
+from .target_loading import target_head
 from .trainer import draft_block_outputs, sample_anchors, serial_logits_teacher_forced
 
 DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81)  # temperatures 0.1 .. 10
@@ -128,7 +129,7 @@ def calibrate_draft(draft, target, held_out_items: list[dict], output_dir: Path)
     """Fits STS temperatures on held-out sequences, stores them in ``draft.config`` and writes
     ``calibration.json`` (per-position ECE before/after) and ``reliability.png`` to ``output_dir``."""
     draft.config.confidence_temperatures = None
-    logits, acceptance, _ = collect_confidences(draft, target.get_output_embeddings(), held_out_items)
+    logits, acceptance, _ = collect_confidences(draft, target_head(target), held_out_items)
     temperatures = sequential_temperature_scaling(logits, acceptance)
     report = {
         "temperatures": temperatures,

