@@ -58,6 +58,7 @@ class PipelineOptions:
     target: str = "smollm2"
     prompts: str | None = None
     num_prompts: int | None = None  # None: every prompt of --prompts, or BUILTIN_DEFAULT_PROMPTS of the plan
+    sources: tuple[str, ...] = BUILTIN_SOURCES  # the built-in plan's sources, without --prompts
     corpus: str | None = None
     max_sequences: int | None = None
     reference_answers: int = 0
@@ -169,7 +170,7 @@ def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks) -> tuple
         facts = {"data": f"{len(records)} answers of the target from {opts.corpus}"}
         return records + _reference(opts, tokenizer, [p["text"] for p in load_plan(opts.corpus)], ranks), facts
     prompts = read_prompts_file(opts.prompts) if opts.prompts else None
-    config = {"model": loaded.name, "sources": [file_source_name(opts.prompts)] if opts.prompts else list(BUILTIN_SOURCES),
+    config = {"model": loaded.name, "sources": [file_source_name(opts.prompts)] if opts.prompts else list(opts.sources),
               "seed": opts.seed, "max_prompt_tokens": opts.max_prompt_tokens, "max_new_tokens": opts.max_new_tokens,
               "batch_size": opts.generation_batch_size, "shard_size": opts.shard_size,
               "prompt_format": "chat template" if has_chat_template(tokenizer) else "plain text"}
@@ -271,6 +272,10 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
     if not opts.prepare_only and not opts.output:
         raise ValueError("--output is required unless --prepare-only.")
     check_export_formats(opts.export_formats)
+    unknown = [name for name in opts.sources if name not in BUILTIN_SOURCES]
+    if unknown:
+        raise ValueError(f"--sources {','.join(unknown)}: no such built-in prompt source; choose from "
+                         f"{','.join(BUILTIN_SOURCES)}, or give your own prompts with --prompts FILE.")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     output = Path(opts.output) if opts.output else None
@@ -291,7 +296,8 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
                                                         cfg.num_hidden_layers)
     with clock("answers"):
         records, data_facts = _answers(opts, loaded, ranks)
-    held = cfg.held_out_sequences if cfg.confidence_head else 0
+    # held out with or without a confidence head, so a DSpark and a DFlash run on one corpus train on the same data
+    held = cfg.held_out_sequences
     if len(records) <= held:
         raise ValueError(f"{len(records)} training sequences and {held} held out for calibration leave none to train "
                          "on; answer more prompts (--num-prompts) or hold out fewer (--held-out).")

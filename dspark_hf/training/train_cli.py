@@ -19,6 +19,7 @@ from transformers.utils import logging
 
 from .features import FEATURE_MODES
 from .pipeline import BUILTIN_DEFAULT_PROMPTS, PipelineOptions, run_pipeline
+from .prompts import BUILTIN_SOURCES
 from .target_loading import PRESETS
 from .trainer import TrainingConfig
 
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group("data: the target's own answers")
     data.add_argument("--prompts", help='JSONL, one {"prompt": ...} or {"turns": [...]} per line (default: the built-in '
                       "plan: ShareGPT, code, math; docs/training-data.md)")
+    data.add_argument("--sources", default=",".join(BUILTIN_SOURCES),
+                      help="the built-in plan's prompt sources, comma-separated (default: all)")
     data.add_argument("--num-prompts", type=int, default=None,
                       help=f"answer the first N prompts (default: all of --prompts, {BUILTIN_DEFAULT_PROMPTS} of the "
                            "built-in plan)")
@@ -132,6 +135,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[PipelineOptions, Traini
         draft_vocab_size=args.draft_vocab_size or None, seed=args.seed)
     opts = PipelineOptions(
         output=args.output, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+        sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()),
         corpus=args.corpus, max_sequences=args.max_sequences, reference_answers=args.reference_answers,
         data_dir=args.data_dir, feature_dir=args.feature_dir, features=args.features,
         max_feature_cache_gb=args.max_feature_cache_gb, max_new_tokens=args.max_new_tokens,
