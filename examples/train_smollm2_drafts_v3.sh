@@ -4,7 +4,7 @@
 #   bash examples/train_smollm2_drafts_v3.sh [prompts] [steps]
 # 1. on-policy data: the target's own answers (data/smollm2-onpolicy, resumable; see v2's script);
 # 2. target features of the first PROMPTS records, with the target's log-normaliser per position
-#    (what the reduced-vocabulary loss needs), cached under $DSPARK_HF_CACHE/data;
+#    (what the reduced-vocabulary loss needs), cached under $DSPARK_HF_CACHE/features;
 # 3. DSpark and the DFlash ablation side by side with the same data, backbone, vocabulary and steps,
 #    each warm-started from its v2 draft (taken from git history, commit 344dacc, into runs/v2),
 #    one thread each, resumable (--resume), with a loadable snapshot of each draft every 500 steps
@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 PROMPTS=${1:-5120}
 STEPS=${2:-2500}
 V2=344dacc  # the commit that shipped the v2 drafts
-DATA=(--corpus data/smollm2-onpolicy --max-sequences "$PROMPTS" --draft-vocab-size 16384)
+# `dspark-hf train` (docs/training.md) on the committed corpus; features cached once, shared by both runs.
+DATA=(--target smollm2 --corpus data/smollm2-onpolicy --max-sequences "$PROMPTS" --draft-vocab-size 16384
+      --features cached)
 COMMON=(--max-steps "$STEPS" --learning-rate 5e-4 --save-every 100 --snapshot-every 500 --threads 1 --fp16 --resume)
 python -m dspark_hf.training.datagen --out data/smollm2-onpolicy --max-prompts "$PROMPTS" --threads 2
 python -m dspark_hf.training --prepare-only "${DATA[@]}" --threads 2

@@ -244,8 +244,9 @@ def build_feature_chunks(target: PreTrainedModel, records: list[dict], layer_ids
     for k in mine:
         path = paths[k]
         if not path.exists():
-            for stale in folder.glob(f"chunk-{k:05d}-*"):  # the same chunk of other records: never read again
-                stale.unlink(missing_ok=True)
+            for stale in folder.glob(f"chunk-{k:05d}-*.pt"):  # chunk k of other records: never read again
+                if ".tmp" not in stale.name:  # (another run's file being written is left alone)
+                    stale.unlink(missing_ok=True)
             items = [make_item(target, record, layer_ids, max_seq_len, dtype=dtype) for record in chunks[k]]
             atomic_torch_save({"format": FEATURE_FORMAT, "layer_ids": list(layer_ids), "items": items}, path)
         if head is not None and not _lse_path(path).exists():

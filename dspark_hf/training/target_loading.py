@@ -77,7 +77,7 @@ def resolve_target(spec: str, *, dtype: torch.dtype | None = None,
         model, tokenizer = smollm2.load_smollm2(dtype or torch.float32)
         loaded = LoadedTarget(model, tokenizer, smollm2.MODEL_NAME, smollm2.MODEL_NAME, smollm2.mask_token_id(tokenizer))
     else:
-        loaded = _load_pretrained(spec, dtype)
+        loaded = _load_pretrained(spec, dtype, device)
     model = loaded.model
     if dtype is None and device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
         logger.warning(f"Target {loaded.name} is stored in {model.dtype}; on the CPU it runs in float32 "
@@ -88,7 +88,7 @@ def resolve_target(spec: str, *, dtype: torch.dtype | None = None,
     return loaded
 
 
-def _load_pretrained(spec: str, dtype: torch.dtype | None) -> LoadedTarget:
+def _load_pretrained(spec: str, dtype: torch.dtype | None, device: torch.device) -> LoadedTarget:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(spec).expanduser()
@@ -99,7 +99,9 @@ def _load_pretrained(spec: str, dtype: torch.dtype | None) -> LoadedTarget:
     source = str(local) if local.exists() else spec
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto")
+        # straight onto a GPU: each process then never holds a CPU copy of the whole model
+        placement = {"device_map": {"": str(device)}} if device.type != "cpu" else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", **placement)
     except (OSError, ValueError) as error:
         raise ValueError(f"--target {spec}: cannot load it as a transformers causal LM with its tokenizer "
                          f"({type(error).__name__}: {error}). Pass a local folder holding both, a Hub id this "
