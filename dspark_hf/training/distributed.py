@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +148,4 @@ def atomic_write_json(path: str | Path, data: Any) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def remove_temporaries(paths: Iterable[Path]) -> None:
-    """Deletes temporary files a killed process left (call on one process, before the others write)."""
-    for path in paths:
-        path.unlink(missing_ok=True)
-
-
-__all__ = ["Ranks", "atomic_torch_save", "atomic_write_json", "atomic_write_text", "remove_temporaries"]
+__all__ = ["Ranks", "atomic_torch_save", "atomic_write_json", "atomic_write_text"]

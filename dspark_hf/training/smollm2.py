@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
-from ..scheduler import default_cache_dir
+from ..cache_dir import default_cache_dir
 
 logger = logging.get_logger(__name__)
 
