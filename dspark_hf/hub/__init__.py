@@ -2,6 +2,8 @@
 
 * :mod:`dspark_hf.hub.draft_export`: :func:`export` (Hub-ready transformers folder or DeepSpec
   folder) and :func:`push_to_hub`;
+* :mod:`dspark_hf.hub.vllm_export`: ``export(..., format="vllm")`` and :func:`vllm_compatibility`
+  (why vLLM 0.34.0 cannot serve a draft, or ``None``);
 * :mod:`dspark_hf.hub.model_card`: :func:`render_model_card`;
 * ``dspark_hf/hub/templates/``: the remote-code, ``custom_generate`` and model-card templates.
 
@@ -16,6 +18,7 @@ from ..checkpoint_formats import checkpoint_format
 from ..custom_generate import last_custom_generate_draft, locate_custom_generate_source, run_custom_generate
 from .draft_export import AUTO_MAP, DEEPSPEC_FIELDS, FORMATS, export, push_to_hub
 from .model_card import render_model_card
+from .vllm_export import vllm_compatibility
 
 __all__ = [
     "AUTO_MAP",
@@ -29,4 +32,5 @@ __all__ = [
     "register_auto_classes",
     "render_model_card",
     "run_custom_generate",
+    "vllm_compatibility",
 ]

@@ -11,6 +11,8 @@ Layouts (docs/formats.md describes how each loads):
 * ``"deepspec"``: DeepSpec's released layout (``model_type: "qwen3"``, ``architectures:
   ["Qwen3DSparkModel"]``, no ``auto_map``) for vLLM/SGLang; loads with
   ``DSparkDraftModel.from_pretrained``.
+* ``"vllm"``: the layout vLLM 0.34.0's ``Qwen3DSparkForCausalLM`` loads, or a ``ValueError`` saying
+  why vLLM cannot serve the draft (:mod:`dspark_hf.hub.vllm_export`).
 
 Weights are written as safetensors only, and nothing here touches the network except
 :func:`push_to_hub`.
@@ -35,7 +37,7 @@ from .template_files import read_template
 if TYPE_CHECKING:  # annotations only: the model class reaches this module through its push_to_hub
     from ..modeling_dspark import DSparkDraftModel
 
-FORMATS = ("hf", "deepspec")
+FORMATS = ("hf", "deepspec", "vllm")
 AUTO_MAP = {"AutoConfig": "configuration_dspark.DSparkConfig", "AutoModel": "modeling_dspark.DSparkDraftModel"}
 REMOTE_CODE_FILES = {  # file in the exported folder -> template in dspark_hf/hub/templates
     "configuration_dspark.py": "configuration_dspark.py",
@@ -200,6 +202,7 @@ def export(
     training: dict | None = None,
     license: str = "apache-2.0",
     max_shard_size: int | str = "5GB",
+    drop_confidence_temperatures: bool = False,
 ) -> Path:
     """Writes ``draft`` to ``save_directory`` in a loadable layout and returns the folder.
 
@@ -219,6 +222,8 @@ def export(
         model_card: write ``README.md``; default True for ``"hf"``, False for ``"deepspec"``.
         base_model, repo_id, measured, training, license: passed to :func:`render_model_card`.
         max_shard_size: safetensors shard size (huggingface_hub's ``save_torch_state_dict``).
+        drop_confidence_temperatures: ``"vllm"`` only (see :func:`dspark_hf.hub.vllm_export.export_vllm`),
+            which writes the layout vLLM 0.34.0 serves, or refuses with the reason.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
@@ -228,6 +233,13 @@ def export(
         raise TypeError(f"export needs a DSparkDraftModel, got {type(draft).__name__}.")
     if target is not None:
         draft.check_target(target)
+    if format == "vllm":
+        from .vllm_export import export_vllm  # imports this module
+
+        if model_card:
+            raise ValueError("format='vllm' writes no model card; export format='hf' for the Hub card.")
+        return export_vllm(draft, save_directory, target=target, embeddings=embeddings,
+                           drop_confidence_temperatures=drop_confidence_temperatures, max_shard_size=max_shard_size)
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     has_own = draft.embed_tokens is not None and draft.lm_head is not None

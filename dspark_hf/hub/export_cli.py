@@ -2,11 +2,14 @@
 
     dspark-hf export drafts/smollm2-135m-dspark out/dspark-hf --target <target path|id>
     dspark-hf export drafts/smollm2-135m-dspark out/dspark-deepspec --format deepspec --target <target>
+    dspark-hf export drafts/smollm2-135m-dflash out/dflash-vllm --format vllm --target <target>
 
 ``--format hf`` (default) writes the Hub-ready transformers folder (remote code,
 ``custom_generate/``, model card); ``--format deepspec`` writes DeepSpec's layout for serving
-engines. A draft that borrows the target's embedding and LM head needs ``--target`` whenever the
-layout stores copies of them (always for DeepSpec). Upload the folder with ``hf upload`` or use
+engines; ``--format vllm`` writes the folder vLLM 0.34.0 serves (``vllm serve <target>
+--speculative-config '{"method": "dspark", "model": "<folder>"}'``) or says why it cannot, and
+needs ``--target``. A draft that borrows the target's embedding and LM head needs ``--target``
+whenever the layout stores copies of them (always for DeepSpec). Upload the folder with ``hf upload`` or use
 :func:`dspark_hf.hub.push_to_hub` from Python.
 """
 
@@ -30,6 +33,8 @@ def main(argv: list[str] | None = None):
                         help="store embed_tokens/lm_head (default: as the draft has them; always for deepspec)")
     parser.add_argument("--no-model-card", dest="model_card", action="store_false", default=None,
                         help="do not write README.md")
+    parser.add_argument("--drop-confidence-temperatures", action="store_true",
+                        help="vllm only: export a calibrated draft without its confidence temperatures (vLLM ignores them)")
     parser.add_argument("--repo-id", help="the draft's Hub id, used in the card's snippets")
     parser.add_argument("--base-model", help="the target's Hub id for the card (default: the target's, when "
                         "loaded from the Hub)")
@@ -43,7 +48,8 @@ def main(argv: list[str] | None = None):
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=draft.dtype)
     try:
         folder = export(draft, args.output, format=args.format, target=target, embeddings=args.embeddings,
-                        model_card=args.model_card, repo_id=args.repo_id, base_model=args.base_model)
+                        model_card=args.model_card, repo_id=args.repo_id, base_model=args.base_model,
+                        drop_confidence_temperatures=args.drop_confidence_temperatures)
     except ValueError as error:  # e.g. a borrowed embedding without a target: say so without a traceback
         hint = " On the command line that is --target PATH." if "target=" in str(error) else ""
         parser.error(f"{error}{hint}")
