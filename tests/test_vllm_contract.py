@@ -22,7 +22,7 @@ from safetensors import safe_open
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.hub import export
+from dspark_hf.hub import export, render_model_card
 from dspark_hf.hub.vllm_export import VLLM_VERSION, vllm_compatibility, vllm_serve_command
 from hub_helpers import assert_same_drafting, drafting_signature
 from test_checkpoints import BLOCK, D, V
@@ -350,3 +350,24 @@ def test_export_command_writes_the_vllm_folder_or_says_why_not(tmp_path, capsys)
     assert exit_info.value.code == 2 and "--drop-confidence-temperatures" in capsys.readouterr().err
     cli.main(args + ["--drop-confidence-temperatures"])
     check_vllm_folder(tmp_path / "vllm")
+
+
+def test_model_card_prints_the_vllm_commands_only_for_drafts_that_fit(tmp_path):
+    target = _target()
+    folders = {"vanilla": export(_trained_draft(target, markov_rank=8), tmp_path / "vanilla", target=target,
+                                 model_card=False),
+               "gated": export(_trained_draft(target, markov_rank=8, markov_head_type="gated"), tmp_path / "gated",
+                               format="deepspec", target=target)}
+    calibrated = _trained_draft(target, markov_rank=8)
+    calibrated.config.confidence_temperatures = [1.0] * BLOCK
+    folders["calibrated"] = export(calibrated, tmp_path / "calibrated", target=target, model_card=False)
+    cards = {name: render_model_card(folder, base_model="org/tiny-target", repo_id="org/draft")
+             for name, folder in folders.items()}
+    for name, card in cards.items():
+        serving = card[card.index("## Serving engines"):card.index("## Training")]
+        assert f"vLLM** {VLLM_VERSION}" in serving or f"vLLM {VLLM_VERSION} cannot serve" in serving
+        fits = name != "gated"
+        assert ("vllm serve org/tiny-target" in serving) == fits
+        assert ("dspark-hf export org/draft my-draft-vllm --format vllm --target org/tiny-target" in serving) == fits
+        assert ("--drop-confidence-temperatures" in serving) == (name == "calibrated")
+    assert "markov_head_type='gated'" in cards["gated"] and "gate_up_proj" in cards["gated"]

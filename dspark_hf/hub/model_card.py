@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..checkpoint_formats import checkpoint_format
 from .template_files import read_template
+from .vllm_export import VLLM_VERSION, vllm_compatibility, vllm_serve_command
 
 CARD_TAGS = ["dspark", "speculative-decoding", "draft-model", "dflash"]
 
@@ -84,6 +85,60 @@ def _training_section(training: dict | None) -> str:
     if not training:
         return "_Training details for this draft are not recorded here._"
     return "\n".join(f"- **{key}**: {value}" for key, value in training.items())
+
+
+def _vllm_serving(config: dict, draft_source: str, target_id: str, block_size: int) -> str:
+    """The card's vLLM paragraph: the export and serve commands when vLLM serves the draft, else why not."""
+    reason = vllm_compatibility(config)
+    needs_drop = reason is not None and vllm_compatibility(config, drop_confidence_temperatures=True) is None
+    if reason is not None and not needs_drop:
+        return f"**vLLM.** {reason}"
+    if needs_drop:
+        intro = (f"**vLLM** {VLLM_VERSION} does not read this draft's calibration (`confidence_temperatures`): its "
+                 "adaptive verification would schedule from uncalibrated confidences. To serve the draft anyway, export "
+                 "it without them (drafting is unchanged) and serve the folder:")
+    else:
+        intro = (f"**vLLM** {VLLM_VERSION} serves this draft with its `Qwen3DSparkForCausalLM` class from the folder "
+                 "that `format=\"vllm\"` writes:")
+    flag = " --drop-confidence-temperatures" if needs_drop else ""
+    commands = (f"```bash\ndspark-hf export {draft_source} my-draft-vllm --format vllm --target {target_id}{flag}\n"
+                f"{vllm_serve_command(target_id, 'my-draft-vllm', block_size)}\n```")
+    notes = [f"dspark_hf checks that folder against vLLM {VLLM_VERSION}'s source (loader, config fields, weight names "
+             "and shapes); it has not run vLLM. The export also checks that vLLM runs the target with the auxiliary "
+             "hidden states the draft reads."]
+    if config.get("enable_confidence_head", False):
+        notes.append("vLLM verifies the whole block unless the speculative config adds "
+                     "`\"enable_adaptive_verification\": true`, which schedules verification from the confidence head "
+                     "(run in fp32, without temperatures).")
+    else:
+        notes.append("This draft has no confidence head: vLLM verifies the whole block, as dspark_hf does.")
+    if not config.get("markov_rank"):
+        notes.append("The vLLM folder has a rank-1 Markov head of zeros (vLLM's class always builds one); it adds "
+                     "nothing to the logits.")
+    if config.get("draft_vocab_size"):
+        notes.append(f"The reduced vocabulary is written as vLLM's `d2t` offsets and a {config['draft_vocab_size']:,}"
+                     "-row `lm_head`.")
+    return f"{intro}\n\n{commands}\n\n" + " ".join(notes)
+
+
+def _sglang_serving(config: dict, target_id: str) -> str:
+    """The card's SGLang paragraph: the DeepSpec-layout command, or why that layout cannot hold the draft."""
+    blocker = None
+    if config.get("draft_vocab_size"):
+        blocker = "has no field for this draft's reduced vocabulary"
+    elif not config.get("anchor_predicts", True):
+        blocker = "has no field for drafts made at the mask positions (anchor_predicts=False)"
+    elif any(t != "full_attention" for t in config.get("layer_types") or []):
+        blocker = "drafts with full attention only, and this draft has sliding-window layers"
+    if blocker is not None:
+        return (f"**SGLang** reads the DeepSpec layout, which {blocker}, so `format=\"deepspec\"` refuses this draft; "
+                "dspark_hf has no SGLang route for it.")
+    return ("**SGLang** reads the DeepSpec layout (`config.json` with `model_type: \"qwen3\"`, `architectures: "
+            "[\"Qwen3DSparkModel\"]`, embedding and LM-head copies), which `dspark_hf.hub.export(draft, folder, "
+            "format=\"deepspec\", target=target)` writes. This command is not tested by dspark_hf: check the flag "
+            "names against your SGLang version.\n\n"
+            f"```bash\npython -m sglang.launch_server --model-path {target_id} \\\n"
+            "  --speculative-algorithm DSPARK --speculative-draft-model-path <deepspec-draft-folder-or-repo>\n```")
 
 
 def render_model_card(
@@ -190,6 +245,8 @@ def render_model_card(
         "method_recipe": recipe,
         "tau_table": _tau_table(measured),
     }
+    values["vllm_serving"] = _vllm_serving(config, values["repo_id"], shown_base, block_size)
+    values["sglang_serving"] = _sglang_serving(config, shown_base)
     usage = string.Template(read_template(f"card_usage_{layout}.md")).substitute(values)
     text = Path(template).read_text(encoding="utf-8") if template is not None else read_template("model_card.md")
     return string.Template(text).substitute(values, usage=usage.strip())
