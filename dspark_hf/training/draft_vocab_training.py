@@ -109,13 +109,14 @@ def coverage_table(train_items: Iterable[dict], held_out_items: Iterable[dict], 
 
 # ------------------------------------------------------------------------------- target normaliser
 @torch.no_grad()
-def add_target_lse(items: list[dict], target_head: nn.Module, rows_per_batch: int = 512) -> int:
+def add_target_lse(items: list[dict], target_head: nn.Module, rows_per_batch: int = 512,
+                   show_progress: bool = True) -> int:
     """Adds ``item["target_lse"]`` (float32 (L,), on CPU) to every item lacking it:
     ``logsumexp(target_head(final))`` computed exactly as training computes the target's logits
     (float32 final hidden states). Returns how many items were completed."""
     weight = target_head.weight
     missing = [item for item in items if "target_lse" not in item]
-    for item in tqdm(missing, desc="Target log-normalisers", unit="seq", disable=not missing):
+    for item in tqdm(missing, desc="Target log-normalisers", unit="seq", disable=not (missing and show_progress)):
         final = item["final"]
         parts = [torch.logsumexp(target_head(final[start:start + rows_per_batch].to(weight.device, torch.float32))
                                  .float(), dim=-1).cpu() for start in range(0, final.shape[0], rows_per_batch)]

@@ -171,7 +171,7 @@ class OnlineFeatures(FeatureSource):
         item = make_item(self.target, self.records[index], self.layer_ids, self.max_seq_len, dtype=self.dtype,
                          device=None)
         if self.head is not None:
-            add_target_lse([item], self.head)
+            add_target_lse([item], self.head, show_progress=False)
         return item
 
 
@@ -251,7 +251,7 @@ def build_feature_chunks(target: PreTrainedModel, records: list[dict], layer_ids
             atomic_torch_save({"format": FEATURE_FORMAT, "layer_ids": list(layer_ids), "items": items}, path)
         if head is not None and not _lse_path(path).exists():
             items = torch.load(path, weights_only=True, mmap=True)["items"]
-            add_target_lse(items, head)
+            add_target_lse(items, head, show_progress=False)  # the chunk bar above counts this work
             atomic_torch_save([item["target_lse"] for item in items], _lse_path(path))
         progress.update(len(chunks[k]))
     progress.close()
