@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging as std_logging
 import math
 import re
 import time
@@ -281,6 +282,8 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
     output = Path(opts.output) if opts.output else None
     device = _process_device(opts)
     ranks = Ranks.current()
+    if not ranks.is_main:  # one process tells the story; the others speak only of errors
+        std_logging.getLogger("dspark_hf").setLevel(std_logging.ERROR)
     clock = StageClock(output, ranks)
     with clock("target"):
         loaded = resolve_target(opts.target, dtype=parse_dtype(opts.dtype), device=device)
