@@ -2,7 +2,7 @@
 
 ``import dspark_hf`` calls :func:`register_auto_classes`, after which ``AutoConfig`` /
 ``AutoModel.from_pretrained`` build a :class:`~dspark_hf.DSparkDraftModel` from a ``"dspark"``
-checkpoint. A DeepSpec-layout draft says ``model_type: "qwen3"``: without the guard an auto class
+checkpoint or a vllm-project/speculators DSpark/DFlash one (which has no ``model_type``). A DeepSpec-layout draft says ``model_type: "qwen3"``: without the guard an auto class
 would silently build a plain Qwen3 model from it and drop the DSpark heads, so every auto class
 refuses it with the advice to use ``DSparkDraftModel.from_pretrained``.
 """
@@ -50,6 +50,7 @@ def register_auto_classes() -> None:
     """
     AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
     AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
+    _read_speculators_configs()
     from transformers.models.auto import auto_factory
 
     original = getattr(auto_factory, "_get_model_class", None)
@@ -68,6 +69,41 @@ def register_auto_classes() -> None:
 
     setattr(_get_model_class, _GUARD_MARKER, True)
     auto_factory._get_model_class = _get_model_class
+
+
+def _read_speculators_configs() -> None:
+    """Lets ``AutoConfig`` (and so ``AutoModel``) read vllm-project/speculators DSpark/DFlash drafts.
+
+    Their ``config.json`` has no ``model_type``, so transformers stops with "Should have a
+    `model_type` key". The wrapper steps in only then: when transformers raised and the file is a
+    speculators one, it returns :class:`DSparkConfig` (which translates it, or raises naming what is
+    not supported); every config transformers reads itself is untouched.
+    """
+    original = AutoConfig.from_pretrained.__func__
+    if getattr(original, _GUARD_MARKER, False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        try:
+            return original(cls, pretrained_model_name_or_path, **kwargs)
+        except ValueError:
+            from transformers import PreTrainedConfig
+
+            from .speculators_format import is_speculators_config_dict
+
+            try:
+                config_dict, _ = PreTrainedConfig.get_config_dict(pretrained_model_name_or_path, **dict(kwargs))
+            except (OSError, ValueError):
+                config_dict = {}
+            if not is_speculators_config_dict(config_dict):
+                raise
+            for key in ("trust_remote_code", "code_revision", "_from_auto"):
+                kwargs.pop(key, None)
+            return DSparkConfig.from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    setattr(from_pretrained, _GUARD_MARKER, True)
+    AutoConfig.from_pretrained = classmethod(from_pretrained)
 
 
 __all__ = ["register_auto_classes"]

@@ -14,9 +14,12 @@ from __future__ import annotations
 from transformers import PreTrainedConfig
 from transformers.utils import logging
 
+from .speculators_format import is_speculators_config_dict, translate_speculators_config
+
 logger = logging.get_logger(__name__)
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Architectures a DSpark/DFlash draft config may declare (ours and DeepSpec's).
 DSPARK_ARCHITECTURE_SUFFIXES = ("DSparkModel", "DSparkDraftModel")
@@ -56,6 +59,16 @@ class DSparkConfig(PreTrainedConfig):
             ``draft_vocab_ids`` tensor of the weights; every other token gets draft probability
             zero, which keeps decoding lossless (see :mod:`dspark_hf.draft_vocab`).
 
+    Attention layout (defaults: every layer full, the block sees itself whole, as DeepSpec drafts):
+        layer_types: one entry per draft layer, ``"full_attention"`` (all context, whole block) or
+            ``"sliding_attention"`` (see :mod:`dspark_hf.draft_masks`).
+        sliding_window: for ``"sliding_attention"`` layers, how many context tokens before the
+            anchor a block sees (speculators' window: the block at anchor position ``p`` sees
+            context positions ``p - sliding_window .. p - 1``).
+        sliding_block_causal: whether ``"sliding_attention"`` layers mask later block positions (a
+            block position sees itself and the positions before it); full layers always see the
+            whole block. speculators' ``sliding_window_non_causal`` is its negation.
+
     A z-lab DFlash ``config.json`` (``architectures: ["DFlashDraftModel"]``) is translated on load
     by :meth:`from_dict`; see :func:`translate_zlab_dflash_config`.
     """
@@ -78,6 +91,8 @@ class DSparkConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     tie_word_embeddings: bool = False
     layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    sliding_block_causal: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -113,8 +128,12 @@ class DSparkConfig(PreTrainedConfig):
         and are validated like the file's values.
         """
         name = kwargs.get("name_or_path") or config_dict.get("_name_or_path") or "this checkpoint"
-        if is_zlab_dflash_config_dict(config_dict):
+        if is_speculators_config_dict(config_dict):
+            config_dict = translate_speculators_config(config_dict, name)
+        elif is_zlab_dflash_config_dict(config_dict):
             config_dict = translate_zlab_dflash_config(config_dict)
+        elif is_deepspec_config_dict(config_dict):
+            _refuse_deepspec_sliding_layers(config_dict, name)
         for key in REQUIRED_CHECKPOINT_FIELDS:
             if key not in config_dict and key not in kwargs:
                 raise ValueError(
@@ -138,6 +157,8 @@ class DSparkConfig(PreTrainedConfig):
         any other foreign ``model_type`` still warns.
         """
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if is_deepspec_config_dict(config_dict):  # checked here: the model_type rewrite below hides the layout
+            _refuse_deepspec_sliding_layers(config_dict, str(pretrained_model_name_or_path))
         if config_dict.get("model_type", cls.model_type) != cls.model_type and is_recognised_draft_config_dict(
             config_dict
         ):
@@ -233,6 +254,7 @@ class DSparkConfig(PreTrainedConfig):
                 f"draft_vocab_size {self.draft_vocab_size} must lie in [1, vocab_size={self.vocab_size}] "
                 "(None = the full vocabulary)."
             )
+        self._check_layer_types()
         temps = self.confidence_temperatures
         if temps is not None:
             if len(temps) != self.block_size or any(not t > 0 for t in temps):
@@ -240,6 +262,24 @@ class DSparkConfig(PreTrainedConfig):
                     f"confidence_temperatures must hold block_size={self.block_size} positive values, got {temps}; "
                     "re-run calibration or set it to None."
                 )
+
+
+    def _check_layer_types(self) -> None:
+        """Raises ``ValueError`` for layer types the draft cannot run (see :mod:`dspark_hf.draft_masks`)."""
+        used = list(self.layer_types or [])[: self.num_hidden_layers]
+        if len(used) < self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types {self.layer_types!r} has fewer entries than num_hidden_layers={self.num_hidden_layers}; "
+                "give one of \"full_attention\" / \"sliding_attention\" per draft layer."
+            )
+        bad = sorted({t for t in used if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"layer_types has {bad}; a draft layer is one of {LAYER_TYPES}.")
+        if "sliding_attention" in used and self.sliding_window is None:
+            raise ValueError(
+                "layer_types has \"sliding_attention\" layers but sliding_window is None; set sliding_window to the "
+                "number of context tokens before the anchor those layers see."
+            )
 
 
 def target_layer_ids_problem(layer_ids: list[int], num_target_layers: int | None) -> str | None:
@@ -299,11 +339,13 @@ _FIELD_TYPES: dict[str, tuple[str, bool]] = {
     "confidence_head_with_markov": ("bool", False),
     "anchor_predicts": ("bool", False),
     "draft_vocab_size": ("int", True),
+    "sliding_window": ("int", True),
+    "sliding_block_causal": ("bool", False),
 }
 
 
 _POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads", "head_dim", "max_position_embeddings", "num_anchors")
+                   "num_key_value_heads", "head_dim", "max_position_embeddings", "num_anchors", "sliding_window")
 
 
 def _is_kind(value, kind: str) -> bool:
@@ -339,11 +381,35 @@ def is_dspark_config(config) -> bool:
 
 def is_recognised_draft_config_dict(config_dict: dict) -> bool:
     """True for a ``config.json`` dict in a draft layout this library reads although its
-    ``model_type`` is the target's: DeepSpec's (a ``...DSparkModel`` architecture) or z-lab's DFlash."""
+    ``model_type`` is not ``"dspark"``: DeepSpec's (a ``...DSparkModel`` architecture), z-lab's DFlash
+    or vllm-project/speculators' (no ``model_type`` at all)."""
+    return (is_deepspec_config_dict(config_dict) or is_zlab_dflash_config_dict(config_dict)
+            or is_speculators_config_dict(config_dict))
+
+
+def is_deepspec_config_dict(config_dict: dict) -> bool:
+    """True for a DeepSpec-layout ``config.json`` dict: a ``...DSparkModel`` architecture under the
+    target's ``model_type`` (not ours, not speculators', not z-lab's)."""
+    if config_dict.get("model_type") == "dspark" or is_speculators_config_dict(config_dict):
+        return False
     architectures = config_dict.get("architectures") or []
-    return any(str(a).endswith(DSPARK_ARCHITECTURE_SUFFIXES) for a in architectures) or is_zlab_dflash_config_dict(
-        config_dict
-    )
+    return any(str(a).endswith(DSPARK_ARCHITECTURE_SUFFIXES) for a in architectures) and not \
+        is_zlab_dflash_config_dict(config_dict)
+
+
+def _refuse_deepspec_sliding_layers(config_dict: dict, name: str) -> None:
+    """DeepSpec's released drafts use full attention; for a DeepSpec-layout config that declares
+    sliding-window layers we do not know DeepSpec's window semantics, so it is refused rather than
+    drafted with a guessed window (or, as before, silently with none)."""
+    layers = int(config_dict.get("num_hidden_layers") or 1)
+    used = list(config_dict.get("layer_types") or [])[:layers]
+    if any(t != "full_attention" for t in used) or (not used and config_dict.get("use_sliding_window")):
+        shown = f"layer_types={used}" if used else "use_sliding_window=True"
+        raise ValueError(
+            f"{name} is a DeepSpec-layout draft with sliding-window layers ({shown}, sliding_window="
+            f"{config_dict.get('sliding_window')!r}); dspark_hf reproduces DeepSpec drafting with full attention only. "
+            "Use DeepSpec's own code for this checkpoint, or set layer_types to full_attention if it was trained so."
+        )
 
 
 # --------------------------------------------------------------------------- z-lab DFlash configs
@@ -365,6 +431,8 @@ _ZLAB_SUPPORTED_DFLASH_KEYS = {"block_size", "mask_token_id", "target_layer_ids"
 
 def is_zlab_dflash_config_dict(config_dict: dict) -> bool:
     """True for a ``config.json`` from z-lab's DFlash family (a ``dflash_config`` or a DFlash/Domino architecture)."""
+    if is_speculators_config_dict(config_dict):  # speculators also names its class DFlashDraftModel
+        return False
     architectures = [str(a) for a in (config_dict.get("architectures") or [])]
     return "dflash_config" in config_dict or any(a.startswith(("DFlash", "Domino")) for a in architectures)
 
@@ -439,7 +507,9 @@ __all__ = [
     "DSparkConfig",
     "hidden_state_indices",
     "is_dspark_config",
+    "is_deepspec_config_dict",
     "is_recognised_draft_config_dict",
+    "is_speculators_config_dict",
     "is_zlab_dflash_config_dict",
     "target_layer_ids_problem",
     "translate_zlab_dflash_config",

@@ -30,8 +30,9 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import logging
 
-from . import draft_vocab
+from . import draft_vocab, speculators_format
 from .configuration_dspark import DSparkConfig, target_layer_ids_problem
+from .draft_masks import layer_attention_masks
 from .heads import ConfidenceHead, MarkovHead
 from .settings import DraftRuntimeSettings
 from .targets import draft_backbone_fields
@@ -304,13 +305,19 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Loads a draft (ours or DeepSpec layout) with strict key matching.
+        """Loads a draft (ours, DeepSpec, z-lab or speculators layout) with strict key matching.
 
         A missing or unexpected weight raises ``ValueError``, except that ``embed_tokens`` and
         ``lm_head`` may be absent together with all their keys; the draft then borrows the
-        target's at generation time.
+        target's at generation time. A speculators checkpoint's weights are translated first
+        (:mod:`dspark_hf.speculators_format`).
         """
         want_info = kwargs.pop("output_loading_info", False)
+        source = pretrained_model_name_or_path
+        translated = speculators_format.translated_state_dict(pretrained_model_name_or_path, kwargs)
+        if translated is not None:  # transformers then reads config.json from `config` and weights from here
+            kwargs.setdefault("config", pretrained_model_name_or_path)
+            kwargs["state_dict"], source = translated, None
         # Shape mismatches come back in the loading info and are raised below with names and shapes;
         # transformers' own error only points at its load report, which is hidden here.
         kwargs["ignore_mismatched_sizes"] = True
@@ -319,9 +326,7 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         report_logger = logging.get_logger("transformers.modeling_utils")
         report_logger.addFilter(_drop_load_report)
         try:
-            model, info = super().from_pretrained(
-                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-            )
+            model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
         except RuntimeError as err:
             if "ignore_mismatched_sizes" in str(err) or "size mismatch" in str(err):
                 raise ValueError(
@@ -486,10 +491,11 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         computes the base logits only once the verify policy admits a first position, because
         the vocabulary projection is most of a small draft's cost and the policy often admits none.
 
-        Every block position sees the whole block and all context (no causal mask). Training
-        packs many blocks into one row and passes ``attention_mask`` (bool, broadcastable to
-        (R, heads, block tokens, context + block tokens)) so each block sees only its own tokens
-        and the context before its anchor.
+        Every block position sees the whole block and all context (no causal mask), except in
+        ``sliding_attention`` layers (:mod:`dspark_hf.draft_masks`). Training packs many blocks
+        into one row and passes ``attention_mask`` (bool, broadcastable to (R, heads, block
+        tokens, context + block tokens)) so each block sees only its own tokens and the context
+        before its anchor.
         """
         mask_positions_predict = not getattr(self.config, "anchor_predicts", True)
         if mask_positions_predict:
@@ -497,13 +503,11 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         embed = self._embedding()
         hidden = embed(input_ids.to(embed.weight.device)).to(self.fc.weight.device, self.fc.weight.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        if attention_mask is None and cache is not None and cache.key_mask is not None:
-            block_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=hidden.device)
-            attention_mask = torch.cat([cache.key_mask, block_mask], dim=1)[:, None, None, :]
+        masks = layer_attention_masks(self.config, attention_mask, cache, tuple(input_ids.shape), hidden.device)
         for idx, layer in enumerate(self.layers):
             keys = cache.keys[idx] if cache is not None else None
             values = cache.values[idx] if cache is not None else None
-            hidden = layer(hidden, cos, sin, keys, values, attention_mask)
+            hidden = layer(hidden, cos, sin, keys, values, masks[idx])
         hidden = self.norm(hidden)
         if mask_positions_predict:  # z-lab layout: the anchor's output predicts nothing
             hidden = hidden[:, 1:]

@@ -32,12 +32,13 @@ from transformers import PreTrainedModel, Qwen3Config
 
 from ..configuration_dspark import DSparkConfig, is_dspark_config
 from .model_card import render_model_card
+from .speculators_export import write_speculators
 from .template_files import read_template
 
 if TYPE_CHECKING:  # annotations only: the model class reaches this module through its push_to_hub
     from ..modeling_dspark import DSparkDraftModel
 
-FORMATS = ("hf", "deepspec", "vllm")
+FORMATS = ("hf", "deepspec", "vllm", "speculators")
 AUTO_MAP = {"AutoConfig": "configuration_dspark.DSparkConfig", "AutoModel": "modeling_dspark.DSparkDraftModel"}
 REMOTE_CODE_FILES = {  # file in the exported folder -> template in dspark_hf/hub/templates
     "configuration_dspark.py": "configuration_dspark.py",
@@ -150,6 +151,9 @@ def _deepspec_config_dict(draft: DSparkDraftModel, target: PreTrainedModel | Non
             "its weights); the DeepSpec layout has no field for it, and an engine reading it would take the "
             "N-wide markov_w2 for a full-vocabulary one. Export it with format='hf'."
         )
+    if "sliding_attention" in list(c.layer_types)[: c.num_hidden_layers]:
+        raise ValueError(f"This draft has sliding-window layers (layer_types={c.layer_types}); the DeepSpec layout "
+                         "drafts with full attention. Export it with format='speculators' or format='hf'.")
     base = None
     if target is not None:
         text_config = target.config.get_text_config()
@@ -214,6 +218,8 @@ def export(
             layout for serving engines: a Qwen3 ``config.json`` with ``architectures:
             ["Qwen3DSparkModel"]`` and the DSpark fields, and safetensors weights including
             ``embed_tokens`` and ``lm_head`` copies; nothing else unless ``model_card=True``.
+            ``"speculators"``: vllm-project/speculators' format (:mod:`dspark_hf.hub.speculators_export`),
+            naming ``base_model`` (default: the target's name) as its verifier.
         target: the target model. Checked against the draft; needed when a copy of a borrowed
             embedding/LM head is written; its Qwen3 config is the base of a DeepSpec
             ``config.json``; its Hub id is the card's default ``base_model``.
@@ -240,6 +246,9 @@ def export(
             raise ValueError("format='vllm' writes no model card; export format='hf' for the Hub card.")
         return export_vllm(draft, save_directory, target=target, embeddings=embeddings,
                            drop_confidence_temperatures=drop_confidence_temperatures, max_shard_size=max_shard_size)
+    if format == "speculators":  # vllm-project/speculators' format (hub/speculators_export.py)
+        return write_speculators(draft, save_directory, target=target, base_model=base_model, embeddings=embeddings,
+                                 model_card=model_card, max_shard_size=max_shard_size)
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     has_own = draft.embed_tokens is not None and draft.lm_head is not None

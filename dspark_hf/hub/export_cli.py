@@ -3,12 +3,14 @@
     dspark-hf export drafts/smollm2-135m-dspark out/dspark-hf --target <target path|id>
     dspark-hf export drafts/smollm2-135m-dspark out/dspark-deepspec --format deepspec --target <target>
     dspark-hf export drafts/smollm2-135m-dflash out/dflash-vllm --format vllm --target <target>
+    dspark-hf export drafts/smollm2-135m-dspark out/dspark-speculators --format speculators --target <target>
 
 ``--format hf`` (default) writes the Hub-ready transformers folder (remote code,
 ``custom_generate/``, model card); ``--format deepspec`` writes DeepSpec's layout for serving
 engines; ``--format vllm`` writes the folder vLLM 0.34.0 serves (``vllm serve <target>
 --speculative-config '{"method": "dspark", "model": "<folder>"}'``) or says why it cannot, and
-needs ``--target``. A draft that borrows the target's embedding and LM head needs ``--target``
+needs ``--target``; ``--format speculators`` writes vllm-project/speculators' format (its verifier is
+the target's name, or ``--base-model``). A draft that borrows the target's embedding and LM head needs ``--target``
 whenever the layout stores copies of them (always for DeepSpec). Upload the folder with ``hf upload`` or use
 :func:`dspark_hf.hub.push_to_hub` from Python.
 """
