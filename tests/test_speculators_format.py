@@ -349,3 +349,43 @@ def test_speculators_dflash_is_not_taken_for_zlab():
     assert raw["architectures"] == ["DFlashDraftModel"]
     assert checkpoint_format(raw) == "speculators"
     assert "speculators" in dspark_hf.checkpoint_formats.CHECKPOINT_FORMATS
+
+
+# ------------------------------------------------------------------------ other ways to load
+def test_hub_id_and_sharded_weights_load(tmp_path, target):
+    from hub_helpers import install_in_hub_cache
+
+    draft = DSparkDraftModel.from_pretrained(FIXTURES / "dspark_gated_reduced", dtype=torch.bfloat16)
+    bf16_target = AutoModelForCausalLM.from_pretrained(FIXTURES / "target", dtype=torch.bfloat16)
+    sharded = export(draft, tmp_path / "sharded", format="speculators", target=bf16_target, base_model="target",
+                     max_shard_size="8KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    install_in_hub_cache(sharded, "org/spec-draft", tmp_path / "hub")
+    loaded = DSparkDraftModel.from_pretrained("org/spec-draft", cache_dir=tmp_path / "hub", dtype=torch.float32)
+    assert_drafts_like_reference(loaded, target, "dspark_gated_reduced")
+    assert isinstance(AutoModel.from_pretrained("org/spec-draft", cache_dir=tmp_path / "hub"), DSparkDraftModel)
+
+
+@pytest.mark.parametrize("name", ["dspark_sliding_default", "dspark_mixed_noncausal", "dspark_mask_positions"])
+def test_speculators_draft_exports_to_hf_and_drafts_the_same(name, target, tmp_path):
+    draft = DSparkDraftModel.from_pretrained(FIXTURES / name, dtype=torch.float32)
+    folder = export(draft, tmp_path / "hf", target=target)
+    assert checkpoint_format(json.loads((folder / "config.json").read_text())) == "dspark"
+    assert_drafts_like_reference(DSparkDraftModel.from_pretrained(folder, dtype=torch.float32), target, name)
+
+
+def test_last_target_layer_is_refused_when_binding(tmp_path, target):
+    folder = edit_config(copy_fixture("dspark_vanilla_full", tmp_path / "d"), aux_hidden_state_layer_ids=[1, 3])
+    draft = DSparkDraftModel.from_pretrained(folder)  # the target's depth is not in the file
+    with pytest.raises(ValueError, match=r"target_layer_ids \[0, 2\].*last layer"):
+        draft.bind_target(target)
+
+
+def test_rnn_head_drafting_at_mask_positions_is_refused(tmp_path, target):
+    folder = edit_config(copy_fixture("dspark_mask_positions", tmp_path / "d"), markov_head_type="rnn")
+    with pytest.raises(ValueError, match="markov_head_type = 'rnn' with sample_from_anchor = False"):
+        DSparkDraftModel.from_pretrained(folder)
+    draft = DSparkDraftModel.from_pretrained(FIXTURES / "dspark_hf_native", dtype=torch.float32)
+    draft.config.anchor_predicts = False
+    with pytest.raises(ValueError, match="rnn Markov head.*anchor_predicts=False"):
+        export(draft, tmp_path / "e", format="speculators", target=target)

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None):
                         help="vllm only: export a calibrated draft without its confidence temperatures (vLLM ignores them)")
     parser.add_argument("--repo-id", help="the draft's Hub id, used in the card's snippets")
     parser.add_argument("--base-model", help="the target's Hub id for the card (default: the target's, when "
-                        "loaded from the Hub)")
+                        "loaded from the Hub); with --format speculators, the verifier it names (default: the "
+                        "target's name or path)")
     args = parser.parse_args(argv)
 
     draft = DSparkDraftModel.from_pretrained(args.draft)
