@@ -389,3 +389,11 @@ def test_rnn_head_drafting_at_mask_positions_is_refused(tmp_path, target):
     draft.config.anchor_predicts = False
     with pytest.raises(ValueError, match="rnn Markov head.*anchor_predicts=False"):
         export(draft, tmp_path / "e", format="speculators", target=target)
+
+
+def test_calibration_temperatures_survive_the_speculators_format(tmp_path, target):
+    draft = DSparkDraftModel.from_pretrained(FIXTURES / "dspark_hf_native", dtype=torch.float32)
+    draft.config.confidence_temperatures = [1.0, 1.5, 2.0, 2.5]
+    folder = export(draft, tmp_path / "t", format="speculators", target=target, base_model="target")
+    assert json.loads((folder / "config.json").read_text())["confidence_temperatures"] == [1.0, 1.5, 2.0, 2.5]
+    assert DSparkDraftModel.from_pretrained(folder).config.confidence_temperatures == [1.0, 1.5, 2.0, 2.5]
