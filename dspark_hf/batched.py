@@ -60,7 +60,7 @@ from transformers.utils import logging
 from .configuration_dspark import hidden_state_indices
 from .context_lookup import LookupProposal, SourceChooser
 from .modeling_dspark import DraftContextCache, DSparkDraftModel
-from .policies import lookup_step_rates
+from .policies import checked_admission, lookup_step_rates
 from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
                      record_source_round)
 from .sampling import NON_FINITE_DRAFT_WARNING, SerialSample, serial_sample
@@ -390,23 +390,25 @@ class BatchedDSparkGeneration:
         start = time.perf_counter()
         sample, drafted = plan.sample, plan.draft_rows.tolist()
         budgets = [self.budget(self.rows[i]) for i in drafted]
-        # A row whose draft distribution or confidences are not finite (float16 overflow) verifies
-        # nothing this round: it offers the policy no positions. Its flag travels with the confidences.
-        finite = sample.finite_rows()
+        # Each row verifies at most the positions before its first non-finite one (float16
+        # overflow), a cut decided by tokens drawn before it (SerialSample.finite_lengths). Later
+        # positions are offered as confidence 0.0, so every row offers its whole budget.
+        usable = sample.finite_lengths()
         if sample.confidences is not None:
-            read = torch.cat([sample.confidences, finite[:, None].to(sample.confidences)], dim=1).tolist()
-            fine = [bool(row[-1]) for row in read]
-            offers = [row[:b] if ok else [] for row, b, ok in zip(read, budgets, fine)]
+            read = torch.cat([sample.confidences, usable[:, None].to(sample.confidences)], dim=1).tolist()
         else:
-            fine = finite.tolist()
-            offers = [[1.0] * b if ok else [] for b, ok in zip(budgets, fine)]
+            read = [[1.0] * self.gamma + [n] for n in usable.tolist()]
+        usable = [int(row[-1]) for row in read]
         per_row: list[list[float]] = [[] for _ in self.rows]
-        for i, offer in zip(drafted, offers):
-            per_row[i] = offer
+        for i, row, b, n in zip(drafted, read, budgets, usable):
+            per_row[i] = [c if k < n else 0.0 for k, c in enumerate(row[:b])]
         admitted = self.policy.admit_batch(per_row)
-        lengths = [admitted[i] for i in drafted]
-        if not all(fine):
-            lengths = [k if ok else 0 for k, ok in zip(lengths, fine)]
+        if not hasattr(admitted, "__len__") or len(admitted) != len(per_row):
+            raise ValueError(f"{type(self.policy).__name__}.admit_batch returned {admitted!r}; it must return one "
+                             f"verification length per request ({len(per_row)}).")
+        admitted = [checked_admission(self.policy, k, len(offer), "admit_batch") for k, offer in zip(admitted, per_row)]
+        lengths = [min(admitted[i], n) for i, n in zip(drafted, usable)]
+        if any(n < b for n, b in zip(usable, budgets)):
             self.warn_non_finite()
         lengths = cut_after_first_eos(sample.tokens, torch.tensor(lengths, device=sample.tokens.device),
                                       self.eos_ids).tolist()

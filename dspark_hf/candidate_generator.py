@@ -32,7 +32,7 @@ from .modeling_dspark import DSparkDraftModel
 from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
                      record_source_round)
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
-from .policies import VerifyPolicy, lookup_step_rates
+from .policies import VerifyPolicy, checked_admission, lookup_step_rates
 from .settings import record_generation_stats, resolve_settings
 
 logger = logging.get_logger(__name__)
@@ -199,32 +199,39 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def _admitted_length(self, sample, budget: int) -> int:
         """The verification length the policy chose (incrementally, or on the whole block)."""
         if self.incremental:
-            if sample.num_admitted == 0 and sample.offered and not math.isfinite(sample.offered[-1]):
-                self._warn_non_finite()  # the policy refused a NaN confidence: nothing verified already
+            if sample.offered and not math.isfinite(sample.offered[-1]):
+                self._warn_non_finite()  # the policy was offered a NaN confidence (built-in ones refuse it)
             return sample.num_admitted
-        # A user policy with only admit(): decide on the whole block.
-        confidences = sample.confidences[0, :budget].tolist() if sample.confidences is not None else [1.0] * budget
-        # admit() rejects NaN confidences; a draft producing them verifies nothing this round.
-        if not all(map(math.isfinite, confidences)):
+        # A user policy with only admit(): decide on the whole block. Positions from the first
+        # non-finite one on are offered as confidence 0.0 (admit() refuses NaN); the list keeps the
+        # budget's length, so a policy that reads len() sees nothing the drawn tokens decide.
+        # _checked_length then cuts before the first non-finite position.
+        finite = sample.finite_lengths()[:1]
+        if sample.confidences is None:
+            read = [1.0] * budget + finite.tolist()
+        else:
+            read = torch.cat([sample.confidences[0, :budget], finite.to(sample.confidences)]).tolist()
+        usable = int(read[-1])
+        if usable < budget:
             self._warn_non_finite()
-            return 0
-        return self.policy.admit(confidences)
+        confidences = [c if k < usable else 0.0 for k, c in enumerate(read[:-1])]
+        return checked_admission(self.policy, self.policy.admit(confidences), len(confidences))
 
     def _checked_length(self, sample, keep: int) -> int:
-        """``keep`` after the checks on the drafted tokens, read in one transfer: a draft
-        distribution that is not finite (float16 overflow) cannot be verified (rejection sampling
-        would take NaN for q), so the round verifies nothing; and nothing after a drafted EOS can
+        """``keep`` after the checks on the drafted tokens, read in one transfer: cut before the
+        first position whose draft distribution or confidence is not finite (float16 overflow;
+        rejection sampling would take NaN for q), see :meth:`SerialSample.finite_lengths`, which
+        is decided by the tokens before that position only; and nothing after a drafted EOS can
         be emitted (see :func:`~dspark_hf.rounds.cut_after_first_eos`)."""
         if keep == 0:
             return 0
-        finite = sample.finite_rows()[:1]
-        lengths = torch.full((1,), keep, dtype=torch.long, device=sample.tokens.device)
+        finite = sample.finite_lengths()[:1]
+        lengths = torch.minimum(finite, torch.full_like(finite, keep))
         cut = cut_after_first_eos(sample.tokens[:, :keep], lengths, self.eos_token_ids)
-        is_finite, keep = torch.cat([finite.to(cut), cut]).tolist()
-        if not is_finite:
+        usable, keep_after = torch.cat([finite, cut.to(finite)]).tolist()
+        if usable < keep:
             self._warn_non_finite()
-            return 0
-        return keep
+        return keep_after
 
     def _propose_lookup(self, input_ids: torch.LongTensor):
         """A context-lookup round when the chooser values it above DSpark (else None): the draft

@@ -19,7 +19,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 
 from .configuration_dspark import is_dspark_config
-from .settings import dspark_kwargs_of_call, mark_call_settings
+from .settings import dspark_kwargs_of_call, mark_call_settings, refuse_lossy_settings
 from .stopping import DeferredStreamer, ExactStopping, cut_output, positional_criteria
 
 _EXPECTED_PARAMETERS = (
@@ -95,6 +95,19 @@ def _check_inputs_embeds(input_ids, model_kwargs: dict) -> None:
         )
 
 
+def _check_attention_outputs(target, generation_config) -> None:
+    """Refuses ``output_attentions`` without eager attention: transformers' assisted loop indexes
+    the verify forward's attention weights, which sdpa and flash attention do not return (an
+    IndexError there, with or without DSpark)."""
+    implementation = getattr(target.config, "_attn_implementation", None)
+    if generation_config.output_attentions and implementation != "eager":
+        raise ValueError(
+            f"output_attentions=True needs attention weights, which the target's {implementation!r} attention does "
+            "not return. Load the target with attn_implementation=\"eager\" (or call "
+            "target.set_attn_implementation(\"eager\")), or drop output_attentions."
+        )
+
+
 def install_dspark_dispatch() -> None:
     """Installs the DSpark dispatch into transformers' generation (idempotent; run on import).
 
@@ -142,6 +155,7 @@ def install_dspark_dispatch() -> None:
                     "other decoding strategy, or drop assistant_model. DSpark does not support beam search."
                 )
             draft.check_target(self)
+            refuse_lossy_settings(generation_config, draft)
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs)
 
     @functools.wraps(original)
@@ -205,6 +219,7 @@ def install_dspark_dispatch() -> None:
             )
         _check_inputs_embeds(input_ids, model_kwargs)
         if input_ids.shape[0] == 1:
+            _check_attention_outputs(self, generation_config)
             return _assisted_decoding_exact_stops(self, input_ids, logits_processor, stopping_criteria,
                                                   generation_config, synced_gpus, streamer, inputs_tensor,
                                                   assistant_model, model_kwargs)

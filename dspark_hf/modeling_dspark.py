@@ -31,6 +31,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from transformers.utils import logging
 
 from . import draft_vocab, speculators_format
+from .checkpoint_dtypes import check_checkpoint_dtypes
 from .configuration_dspark import DSparkConfig, target_layer_ids_problem
 from .draft_masks import layer_attention_masks
 from .heads import ConfidenceHead, MarkovHead
@@ -368,6 +369,7 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
                 f"{len(bad)} tensor(s): {', '.join(repr(name) for name in bad)}. The file is corrupt or the "
                 "training diverged; re-download or re-save the checkpoint, or use an earlier training checkpoint."
             )
+        check_checkpoint_dtypes(model, pretrained_model_name_or_path, kwargs)  # e.g. int8 stored for a float weight
         if absent_optional:
             logger.info(f"Draft has no {' / '.join(absent_optional)}; it will use the target's.")
         return (model, info) if want_info else model

@@ -39,6 +39,7 @@ __all__ = [
     "ThresholdPolicy",
     "PerPositionThresholdPolicy",
     "offer_until_refused",
+    "checked_admission",
     "lookup_step_rates",
 ]
 
@@ -64,6 +65,22 @@ def _check_confidence(value: float, position: int) -> None:
             f"Confidence at draft position {position} is {value!r}; confidences must be "
             "probabilities in [0, 1]. Pass the sigmoid outputs of the confidence head."
         )
+
+
+def checked_admission(policy: Any, admitted: Any, offered: int, method: str = "admit") -> int:
+    """``admitted``, a policy's verification length for ``offered`` positions, as an int in
+    ``0..offered``; a ``ValueError`` naming the policy and the value otherwise (a float, a bool,
+    a negative or too long length would break slicing or corrupt the round statistics)."""
+    try:
+        length = None if isinstance(admitted, bool) else operator.index(admitted)
+    except TypeError:
+        length = None
+    if length is None or not 0 <= length <= offered:
+        raise ValueError(
+            f"{type(policy).__name__}.{method} returned {admitted!r} for {offered} offered draft position(s); a "
+            f"verification length must be an integer from 0 to {offered} (the number of confidences it was given)."
+        )
+    return length
 
 
 def offer_until_refused(offer: Callable[[float], bool], confidences: Iterable[float], *, validate: bool = True,
@@ -339,10 +356,11 @@ class PrefixScheduler(VerifyPolicy):
                 "sps[B-1] = target steps per second for a forward of B tokens)."
             )
         for b, value in enumerate(table, start=1):
-            if not (math.isfinite(value) and value > 0.0):
+            # 1 / value must be finite too: a live cost model works on step times (1 / 1e-310 is inf).
+            if not (math.isfinite(value) and value > 0.0 and math.isfinite(1.0 / value)):
                 raise ValueError(
                     f"SPS table entry for B={b} is {value!r}; every entry must be a finite number "
-                    "> 0. Pass the table returned by profile_sps."
+                    "> 0 whose step time 1 / SPS is finite. Pass the table returned by profile_sps."
                 )
         for b in range(1, len(table)):
             if table[b] > table[b - 1]:

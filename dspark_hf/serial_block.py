@@ -51,26 +51,37 @@ class SerialSample:
     lm_head_seconds: float = 0.0  # wall time of a lazily computed LM head (part of the draft forward)
     offered: list[float] | None = None  # with admission: the confidences offered, as Python floats
 
-    def finite_rows(self) -> torch.Tensor:
-        """(R,) bool on the sample's device: True where every drawn position of the row had a
-        well-defined distribution and a finite confidence.
+    def finite_lengths(self) -> torch.Tensor:
+        """(R,) long on the sample's device: how many leading drawn positions of each row had a
+        well-defined distribution and a finite confidence. A round verifies at most that many.
 
         A distribution is well defined when the largest logit is finite: a NaN or ``+inf`` logit
         (float16 overflow, corrupt weights) or a row of ``-inf`` makes its softmax NaN, while a
-        partial ``-inf`` mask (top-k, top-p) is fine. One max-reduction over the logits already
-        computed; no host sync (the caller reads the flags with its own transfer).
+        partial ``-inf`` mask (top-k, top-p) is fine. Position ``k``'s logits and confidence are
+        functions of ``x_0..x_{k-1}`` only, so where the first non-finite position falls is decided
+        by tokens drawn before it: cutting there keeps "``x_k`` is verified" independent of ``x_k``
+        and later tokens. (Dropping the whole round instead would let ``x_k`` decide, through
+        position ``k + 1``, whether ``x_k`` is verified: a biased sample.) One max-reduction over
+        the logits already computed; no host sync (the caller reads it with its own transfer).
         """
-        ok = torch.isfinite(self.logits.amax(dim=-1)).all(dim=-1)
+        width = self.tokens.shape[1]
+        ok = torch.isfinite(self.logits[:, :width].amax(dim=-1))
         if self.confidences is not None:
-            ok &= torch.isfinite(self.confidences[:, : self.tokens.shape[1]]).all(dim=-1).to(ok.device)
-        return ok
+            ok &= torch.isfinite(self.confidences[:, :width]).to(ok.device)
+        return ok.long().cumprod(dim=1).sum(dim=1)
+
+    def finite_rows(self) -> torch.Tensor:
+        """(R,) bool: True where every drawn position of the row is finite (see :meth:`finite_lengths`)."""
+        return self.finite_lengths() == self.tokens.shape[1]
 
 
-# Logged (once per generate call) when a round's draft distribution is not finite; the round verifies nothing.
+# Logged (once per generate call) when a round's draft distribution is not finite.
 NON_FINITE_DRAFT_WARNING = (
     "The draft produced non-finite logits or confidences (NaN or inf: float16 overflow or corrupt weights); "
-    "rounds where that happens verify no draft tokens, so the output stays the target's but those rounds "
-    "gain no speed. Run the draft in bfloat16 or float32, or check its weights. Logged once per generate call."
+    "such rounds verify only the draft tokens before the first non-finite position (none when it is the "
+    "first), which keeps the output exactly the target's (greedy) or distributed as the target's (sampling), "
+    "but those rounds gain less speed. Run the draft in bfloat16 or float32, or check its weights. Logged "
+    "once per generate call."
 )
 
 

@@ -111,6 +111,22 @@ def mark_call_settings(config: GenerationConfig, dspark_kwargs: dict[str, Any], 
     setattr(config, _EXPLICIT_MARK, tuple(sorted(explicit)))
 
 
+def refuse_lossy_settings(config: GenerationConfig, draft: PreTrainedModel) -> None:
+    """Raises ``ValueError`` for transformers' lossy verification, ``assistant_ensemble_weight``
+    (on the call or the draft's ``generation_config``): it accepts draft tokens against a mix of
+    the target's and the draft's distributions, so the output is no longer the target's."""
+    for source, where in ((config, "the generate() call"), (getattr(draft, "generation_config", None),
+                                                            "the draft's generation_config")):
+        weight = getattr(source, "assistant_ensemble_weight", None)
+        if weight is not None:
+            raise ValueError(
+                f"assistant_ensemble_weight={weight!r} (from {where}) selects transformers' ensemble verification, "
+                "which mixes the draft's distribution into the target's and changes the output; DSpark decoding is "
+                "lossless (greedy output is the target's, sampled output follows its distribution) and does not "
+                "support it. Drop assistant_ensemble_weight (None is the standard, lossless verification)."
+            )
+
+
 def dspark_kwargs_of_call(config: GenerationConfig) -> list[str]:
     """The DSpark fields this call passed as ``generate()`` keywords (to refuse them without a DSpark draft)."""
     return [name for name in getattr(config, _EXPLICIT_MARK, ()) if name in DSPARK_FIELDS]
@@ -301,15 +317,20 @@ def resolve_context_lookup(draft: PreTrainedModel, generation_config: Generation
     When neither sets it, lookup is on (10 tokens, 3-grams) with the default scheduler, whose live
     cost model values both sources, and off with fixed-length and threshold policies."""
     num_tokens, where = _setting("prompt_lookup_num_tokens", draft, generation_config)
-    ngram, _ = _setting("max_matching_ngram_size", draft, generation_config)
+    ngram, ngram_where = _setting("max_matching_ngram_size", draft, generation_config)
+    if ngram is not None and (isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1):
+        raise ValueError(
+            f"max_matching_ngram_size={ngram!r} (from {ngram_where}) must be an integer >= 1: the longest n-gram "
+            f"context lookup matches (default {DEFAULT_LOOKUP_NGRAM})."
+        )
     if num_tokens is None:
         if not isinstance(policy, PrefixScheduler) or policy.cost_model is None:
             return None
         num_tokens = DEFAULT_LOOKUP_TOKENS
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(
-            f"prompt_lookup_num_tokens (from {where}) must be an integer >= 0 (0 turns context lookup off), "
-            f"got {num_tokens!r}."
+            f"prompt_lookup_num_tokens={num_tokens!r} (from {where}) must be an integer >= 0 (0 turns context "
+            "lookup off)."
         )
     if num_tokens == 0:
         return None
@@ -381,5 +402,5 @@ class DraftRuntimeSettings:
 
 
 __all__ = ["DSPARK_FIELDS", "DSparkSettings", "DraftRuntimeSettings", "POLICY_NAMES", "mark_call_settings",
-           "record_generation_stats", "resolve_context_lookup", "resolve_drafting_gate", "resolve_settings",
+           "record_generation_stats", "refuse_lossy_settings", "resolve_context_lookup", "resolve_drafting_gate", "resolve_settings",
            "resolve_verify_policy"]

@@ -37,7 +37,9 @@ logger = logging.get_logger(__name__)
 
 __all__ = [
     "DEFAULT_PROFILE_TOKENS",
+    "fitted_context_length",
     "load_sps_profile",
+    "max_positions",
     "profile_sps",
     "shared_cost_model",
     "sps_cache_key",
@@ -93,6 +95,37 @@ def _environment(model: torch.nn.Module) -> dict[str, Any]:
     return env
 
 
+# Config fields bounding the positions a model takes. Learned absolute position tables (GPT-2,
+# OPT, GPT-J) raise IndexError past them, so a profile's context plus new tokens must fit.
+_POSITION_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The most positions ``model`` takes, from its (text) config, or ``None`` when it names none."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for name in _POSITION_LIMIT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def fitted_context_length(model: torch.nn.Module, context_length: int, max_tokens: int) -> int:
+    """``context_length`` shortened so that the context plus ``max_tokens`` new tokens fit the
+    target's positions (:func:`max_positions`); ``ValueError`` when ``max_tokens`` alone fills them."""
+    limit = max_positions(model)
+    if limit is None or context_length + max_tokens <= limit:
+        return context_length
+    if max_tokens >= limit:
+        raise ValueError(
+            f"profile_sps: max_tokens={max_tokens} new tokens on top of a cached context do not fit this target's "
+            f"{limit} positions (max_position_embeddings / n_positions); pass max_tokens below {limit}."
+        )
+    return limit - max_tokens
+
+
 def _base_key(model: torch.nn.Module, context_length: int) -> str:
     # Everything that affects the step time except max_tokens; the config includes _name_or_path.
     payload = {
@@ -110,16 +143,19 @@ def sps_cache_key(model: torch.nn.Module, max_tokens: int, *, context_length: in
     It hashes the model config (including ``_name_or_path``), the attention implementation, the
     device (type, and the GPU name on CUDA), the dtype, the torch and transformers versions,
     ``context_length`` and, on CPU, ``torch.get_num_threads()``; ``max_tokens`` is appended as
-    ``-b<max_tokens>``.
+    ``-b<max_tokens>``. ``context_length`` is first fitted to the target's positions
+    (:func:`fitted_context_length`), as :func:`profile_sps` does.
     """
-    return f"{_base_key(model, context_length)}-b{max_tokens}"
+    return f"{_base_key(model, fitted_context_length(model, context_length, max_tokens))}-b{max_tokens}"
 
 
 def _valid_table(values: Any, min_length: int) -> bool:
     if not isinstance(values, list) or len(values) < min_length or min_length < 1:
         return False
     # bool is an int subclass; an int beyond float range makes math.isfinite raise OverflowError.
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite_positive(v) for v in values):
+    # A rate must also give a positive finite step time: 1 / 1e-310 overflows to inf.
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite_positive(v)
+               and _finite_positive(1.0 / v) for v in values):
         return False
     return all(values[i] <= values[i - 1] for i in range(1, len(values)))
 
@@ -156,7 +192,8 @@ def _load_cached(directory: Path, base_key: str, max_tokens: int) -> tuple[list[
         table = record.get("sps") if isinstance(record, dict) else None
         if _valid_table(table, max_tokens):
             return [float(v) for v in table[:max_tokens]], path
-        logger.warning("Ignoring invalid SPS cache file %s.", path)
+        logger.warning("Ignoring invalid SPS cache file %s (step rates must be positive, non-increasing and give "
+                       "finite step times); it will be re-profiled.", path)
     return None
 
 
@@ -167,7 +204,8 @@ def load_sps_profile(model: torch.nn.Module, max_tokens: int, *, context_length:
     directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "sps"
     if not directory.is_dir():
         return None
-    found = _load_cached(directory, _base_key(model, context_length), max_tokens)
+    found = _load_cached(directory, _base_key(model, fitted_context_length(model, context_length, max_tokens)),
+                         max_tokens)
     if found is None:
         return None
     with open(found[1], encoding="utf-8") as f:
@@ -295,7 +333,8 @@ def profile_sps(
         model: a transformers causal LM (the target). Inputs are placed on the device of its input
             embeddings, which also works for models dispatched with an accelerate ``device_map``.
         max_tokens: largest ``B`` to measure (e.g. ``R * (gamma + 1)``).
-        context_length: tokens already in the KV cache when the step runs.
+        context_length: tokens already in the KV cache when the step runs; shortened when it
+            and ``max_tokens`` would not fit the target's positions (:func:`fitted_context_length`).
         warmup: untimed rounds over all ``B`` first.
         repeats: timed rounds over all ``B``.
         cache_dir: cache root; defaults to ``$DSPARK_HF_CACHE`` or ``~/.cache/dspark_hf``.
@@ -323,6 +362,7 @@ def profile_sps(
 
     directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     directory = directory / "sps"
+    context_length = fitted_context_length(model, context_length, max_tokens)
     base_key = _base_key(model, context_length)
     key = f"{base_key}-b{max_tokens}"
 
@@ -475,9 +515,15 @@ def shared_cost_model(
     fresh profile of ``profile_tokens`` tokens (a few seconds). Larger verify forwards (batched
     decoding) are not profiled again: the table is extrapolated beyond its end and the observed
     verify times correct it. When the live times drift far from the profile, a warning is logged
-    and the cache file is rewritten with the live estimate.
+    and the cache file is rewritten with the live estimate. On a target with few positions
+    (:func:`max_positions`), the profile is shortened to fit them: at most half of them new
+    tokens, the context the rest.
     """
     directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "sps"
+    limit = max_positions(model)
+    if limit is not None:  # a target with few positions (learned absolute ones) gets a shorter profile
+        profile_tokens = max(1, min(profile_tokens, limit // 2))
+    context_length = fitted_context_length(model, context_length, profile_tokens)
     base_key = _base_key(model, context_length)
     with _shared_lock:
         per_model = _shared_cost_models.setdefault(model, {})
