@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +94,12 @@ def stored_dtype_kinds(path: Any, kwargs: dict) -> dict[str, str]:
                 for name in handle.keys():
                     kinds[name] = _safetensors_kind(handle.get_slice(name).get_dtype())
         else:
-            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-            kinds.update((name, _kind(tensor.dtype)) for name, tensor in state.items())
+            try:  # memory-mapped: no tensor data is read
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except (RuntimeError, OSError, ValueError, pickle.UnpicklingError):
+                continue  # a legacy (non-zip) file cannot be mapped; transformers has loaded it already
+            kinds.update((name, _kind(tensor.dtype)) for name, tensor in state.items()
+                         if isinstance(tensor, torch.Tensor))
     return kinds
 
 
