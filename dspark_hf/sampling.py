@@ -40,8 +40,8 @@ BACKENDS = ("auto", "reference", "cuda")
 def _probabilities(logits: torch.Tensor) -> torch.Tensor:
     """``softmax(logits)`` for multinomial sampling. A row whose softmax is NaN (its largest logit is
     NaN or infinite) becomes uniform instead of making ``torch.multinomial`` raise (or, on CUDA,
-    assert): such a row is flagged by :meth:`SerialSample.finite_rows` and never verified, so what
-    is drawn from it does not matter. Finite rows are unchanged (the same draw for the same seed)."""
+    assert): the round is cut before such a position (:meth:`SerialSample.finite_lengths`), so
+    neither it nor what is drawn from it is verified. Finite rows are unchanged (the same draw for the same seed)."""
     return torch.softmax(logits, dim=-1).nan_to_num_(nan=1.0)
 
 
