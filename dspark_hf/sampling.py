@@ -41,7 +41,8 @@ def _probabilities(logits: torch.Tensor) -> torch.Tensor:
     """``softmax(logits)`` for multinomial sampling. A row whose softmax is NaN (its largest logit is
     NaN or infinite) becomes uniform instead of making ``torch.multinomial`` raise (or, on CUDA,
     assert): the round is cut before such a position (:meth:`SerialSample.finite_lengths`), so
-    neither it nor what is drawn from it is verified. Finite rows are unchanged (the same draw for the same seed)."""
+    neither it nor what is drawn from it is verified. Finite rows are unchanged (the same draw for
+    the same seed)."""
     return torch.softmax(logits, dim=-1).nan_to_num_(nan=1.0)
 
 
