@@ -14,11 +14,11 @@ import argparse
 import json
 from pathlib import Path
 
+from dspark_hf.demo_target import dense_dir
 from dspark_hf.training.datagen import load_onpolicy_corpus
 from dspark_hf.training.draft_vocab_training import COVERAGE_SIZES, answer_tokens, coverage_table
-from dspark_hf.training.smollm2 import dense_dir
 
-SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>, see dspark_hf.training.smollm2.MASK_TOKEN
+SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>, see dspark_hf.demo_target.MASK_TOKEN
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,7 +60,7 @@ def load_models(tiny: bool, draft_path: str):
         target = LlamaForCausalLM(config).eval()
         draft = DSparkDraftModel.from_target(target, block_size=8).eval()
         return target, draft, None
-    from dspark_hf.training.smollm2 import load_smollm2
+    from dspark_hf.demo_target import load_smollm2
 
     target, tokenizer = load_smollm2()
     draft = DSparkDraftModel.from_pretrained(draft_path).float().eval()

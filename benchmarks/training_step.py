@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from dspark_hf.demo_target import load_smollm2
 from dspark_hf.training.datagen import load_onpolicy_corpus
 from dspark_hf.training.draft_vocab_training import (add_target_lse, answer_tokens, select_draft_vocab, special_token_ids,
                                             token_counts)
-from dspark_hf.training.smollm2 import load_smollm2
 from dspark_hf.training.trainer import TrainingConfig, make_draft, sample_anchors, step_loss, target_features
 
 

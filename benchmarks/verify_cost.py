@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.measuring import write_json_result
-from dspark_hf.training.smollm2 import load_smollm2
+from dspark_hf.demo_target import load_smollm2
 
 
 def _stepper(model, context, new_ids):

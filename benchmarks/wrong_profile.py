@@ -22,9 +22,9 @@ import torch
 from dspark_hf import DSparkDraftModel, PrefixScheduler, optimize_for_cpu, shared_cost_model
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.benchmarks.prompt_sets import DATASETS, load_eval_prompts
+from dspark_hf.chat_text import chat_prompt_ids
+from dspark_hf.demo_target import load_smollm2
 from dspark_hf.step_rates import _shared_cost_models, profile_sps, sps_cache_key
-from dspark_hf.training.data import chat_prompt_ids
-from dspark_hf.training.smollm2 import load_smollm2
 
 DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 

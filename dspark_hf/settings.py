@@ -9,10 +9,10 @@ threads generating with one draft do not share any per-call state.
 DSpark's own fields (any ``GenerationConfig`` accepts them as extra attributes):
 
 * ``dspark_verify_policy``: ``"scheduler"``, ``"fixed"``, ``"threshold"``,
-  ``"per_position_threshold"``, or a :class:`~dspark_hf.scheduler.VerifyPolicy` instance
+  ``"per_position_threshold"``, or a :class:`~dspark_hf.policies.VerifyPolicy` instance
   (a policy of your own). ``None``: the default (see :func:`resolve_verify_policy`).
 * ``dspark_adaptive_drafting``: ``None`` (default), ``True``/``False``, or a
-  :class:`~dspark_hf.scheduler.DraftingGate` (see :func:`resolve_drafting_gate`).
+  :class:`~dspark_hf.drafting_gate.DraftingGate` (see :func:`resolve_drafting_gate`).
 
 transformers' own assisted-generation fields keep their documented meaning:
 
@@ -49,8 +49,9 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .context_lookup import ContextLookup
-from .scheduler import (DraftingGate, FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy,
-                        VerifyPolicy, shared_cost_model)
+from .drafting_gate import DraftingGate
+from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from .step_rates import shared_cost_model
 
 logger = logging.get_logger(__name__)
 
@@ -239,7 +240,7 @@ def resolve_verify_policy(draft: PreTrainedModel, target: PreTrainedModel, num_r
     ``dspark_verify_policy`` when set; else ``assistant_confidence_threshold`` (per-position
     threshold); else an adaptive ``num_assistant_tokens_schedule`` (the scheduler); else
     ``num_assistant_tokens`` (a fixed length); else the default: with a confidence head, a scheduler
-    on the target's live cost model (:func:`~dspark_hf.scheduler.shared_cost_model`: a profiled
+    on the target's live cost model (:func:`~dspark_hf.step_rates.shared_cost_model`: a profiled
     prior, one per target and process, corrected by every round's verify time) for up to
     ``num_rows * (gamma + 1)`` tokens; without one (DFlash), the full block.
     """
@@ -365,7 +366,7 @@ class DraftRuntimeSettings:
 
     @property
     def last_generation_stats(self):
-        """:class:`~dspark_hf.candidate_generator.DSparkGenerationStats` of this thread's latest
+        """:class:`~dspark_hf.rounds.DSparkGenerationStats` of this thread's latest
         ``generate`` call with this draft (``None`` before the first)."""
         per_draft = getattr(_LAST_STATS, "by_draft", None)
         return None if per_draft is None else per_draft.get(self)

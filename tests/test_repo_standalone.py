@@ -207,3 +207,37 @@ def test_bench_without_any_drafts_folder_says_where_to_get_them(monkeypatch, tmp
     message = " ".join(capsys.readouterr().err.split())
     assert "no drafts folder found" in message and "git clone" in message
     assert "--drafts-dir PATH" in message and "$DSPARK_HF_DRAFTS" in message and "--dspark PATH" in message
+
+
+# ----------------------------------------------------------------------------- the training script
+def test_the_training_script_runs_dspark_hf_commands_that_parse(tmp_path):
+    """examples/ keeps one training script (the v1-v3 scripts are in git history). Run it with
+    ``dspark-hf``, ``git`` and ``tar`` replaced by stubs that record their arguments, then parse
+    every ``dspark-hf train`` line with the real parser, so an option it no longer has fails here."""
+    from dspark_hf.training.train_cli import build_parser
+
+    assert sorted(p.name for p in (REPO / "examples").glob("train_*.sh")) == ["train_smollm2_drafts.sh"]
+    (tmp_path / "examples").mkdir()
+    script = tmp_path / "examples" / "train_smollm2_drafts.sh"
+    script.write_text((REPO / "examples" / "train_smollm2_drafts.sh").read_text())
+    stubs, calls = tmp_path / "stubs", tmp_path / "calls.txt"
+    stubs.mkdir()
+    for tool in ("dspark-hf", "git", "tar"):  # one NUL-separated line of arguments per call
+        (stubs / tool).write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" {tool} "$@" >> "{calls}"\necho >> "{calls}"\n')
+        (stubs / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    commands = [line.strip("\0").split("\0") for line in calls.read_text().splitlines() if line.strip("\0")]
+    dspark = [c[1:] for c in commands if c[0] == "dspark-hf"]
+    assert [c[0] for c in dspark] == ["datagen", "train", "train", "train"]
+    assert all(c[0] in cli.COMMANDS for c in dspark)
+    trained = [build_parser().parse_args(c[1:]) for c in dspark if c[0] == "train"]
+    assert trained[0].prepare_only and {a.output for a in trained[1:]} == {"runs/v3/dspark", "runs/v3/dflash"}
+    assert all(a.target == "smollm2" and a.draft_vocab_size == 16384 and a.max_steps == 2000 for a in trained[1:])
+
+
+def test_the_model_cards_name_the_training_script_that_exists():
+    for card in sorted((REPO / "model_cards").glob("smollm2-*.md")):
+        scripts = re.findall(r"bash (examples/\S+\.sh)", card.read_text(encoding="utf-8"))
+        assert scripts and all((REPO / s).is_file() for s in scripts), (card.name, scripts)

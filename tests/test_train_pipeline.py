@@ -16,7 +16,7 @@ import transformers as T
 from safetensors.torch import load_file
 
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy
-from dspark_hf.training import smollm2
+from dspark_hf import demo_target
 from dspark_hf.training import train_cli
 from dspark_hf.training.datagen import load_onpolicy_corpus, load_plan, shards_for_rank
 from dspark_hf.training.distributed import Ranks
@@ -215,7 +215,7 @@ def test_prompts_file_prompt_and_turns(tmp_path):
     assert prompts[1].messages() == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                                      {"role": "user", "content": "how are you"}]
     tokenizer = tiny_tokenizer(WORDS)
-    from dspark_hf.training.data import encode_prompt
+    from dspark_hf.chat_text import encode_prompt
 
     assert encode_prompt(tokenizer, "cat", None) == tokenizer.apply_chat_template(
         [{"role": "user", "content": "cat"}], add_generation_prompt=True, return_dict=True)["input_ids"]
@@ -279,12 +279,12 @@ def test_the_smollm2_preset_is_the_default_target(monkeypatch, tmp_path):
     target_dir = _save_target(tmp_path / "target")
     tokenizer = T.AutoTokenizer.from_pretrained(target_dir)
     model = T.AutoModelForCausalLM.from_pretrained(target_dir)
-    monkeypatch.setattr(smollm2, "load_smollm2", lambda dtype=torch.float32: (model, tokenizer))
-    monkeypatch.setattr(smollm2, "mask_token_id", lambda tok: 5)
+    monkeypatch.setattr(demo_target, "load_smollm2", lambda dtype=torch.float32: (model, tokenizer))
+    monkeypatch.setattr(demo_target, "mask_token_id", lambda tok: 5)
     args = train_cli.build_parser().parse_args(["--output", "x"])
     assert args.target == "smollm2"
     loaded = resolve_target(args.target)
-    assert loaded.name == smollm2.MODEL_NAME and loaded.mask_token_id == 5 and loaded.model is model
+    assert loaded.name == demo_target.MODEL_NAME and loaded.mask_token_id == 5 and loaded.model is model
 
 
 def test_builtin_plan_is_used_without_a_prompts_file(tmp_path, monkeypatch):

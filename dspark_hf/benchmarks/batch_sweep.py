@@ -9,9 +9,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..chat_text import trim_after_eos
 from ..modeling_dspark import DSparkDraftModel
-from ..scheduler import shared_cost_model
-from ..training.data import trim_after_eos
+from ..step_rates import shared_cost_model
 from .evaluation import left_padded
 
 

@@ -49,10 +49,10 @@ from pathlib import Path
 
 import torch
 
+from ..chat_text import chat_prompt_ids
 from ..cpu_fast_path import optimize_for_cpu
 from ..modeling_dspark import DSparkDraftModel
-from ..scheduler import load_sps_profile
-from ..training.data import chat_prompt_ids
+from ..step_rates import load_sps_profile
 from .batch_sweep import run_batch_sweep
 from .environment import capture_environment, describe_environment
 from .plots import plot_batch_sweep, write_plots
@@ -120,7 +120,7 @@ def load_models(args: argparse.Namespace):
         tokenizer = AutoTokenizer.from_pretrained(args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     else:
-        from ..training.smollm2 import load_smollm2
+        from ..demo_target import load_smollm2
 
         target, tokenizer = load_smollm2()
     drafts = {"dspark": DSparkDraftModel.from_pretrained(args.dspark).float().eval()}

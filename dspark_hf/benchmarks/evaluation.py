@@ -4,26 +4,23 @@ Runs ``target.generate(..., assistant_model=draft)`` with the full block verifie
 as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns,
 chat template applied) and aggregates the per-round statistics of every generation.
 
-    python -m dspark_hf.benchmarks.evaluation --drafts drafts/smollm2-dspark drafts/smollm2-dflash \
-        --num-prompts 20 --max-new-tokens 256 --out results/tau.json
+The command line is :mod:`dspark_hf.benchmarks.evaluate_cli` (``dspark-hf evaluate``);
+``python -m dspark_hf.benchmarks.evaluation`` runs it too, as it did when it lived here.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..chat_text import chat_prompt_ids, trim_after_eos
 from ..modeling_dspark import DSparkDraftModel
-from ..scheduler import FixedLengthPolicy
-from ..training.data import chat_prompt_ids, trim_after_eos
-from .environment import capture_environment
-from .prompt_sets import DATASETS, load_eval_prompts
+from ..policies import FixedLengthPolicy
+from .prompt_sets import DATASETS
 from .summary import merge_stats
 
 
@@ -96,45 +93,12 @@ def tau_table(result_files: list[str | Path], first: str = "smollm2-135m-dspark"
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["--table"]:  # python -m dspark_hf.benchmarks.evaluation --table results/tau_*.json
-        print(tau_table(argv[1:]), end="")
-        return
-    from ..training.smollm2 import load_smollm2
-
-    parser = argparse.ArgumentParser(prog="python -m dspark_hf.benchmarks.evaluation", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafts", nargs="+", required=True)
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
-    parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"])
-    parser.add_argument("--num-prompts", type=int, default=20)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="prompts generated at once (left-padded); 1 is the protocol of the published tables")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load_smollm2()
-    results = {"environment": capture_environment(), "settings": vars(args), "results": {}}
-    for draft_path in args.drafts:
-        draft = DSparkDraftModel.from_pretrained(draft_path).float().eval()
-        for mode in args.modes:  # greedy over every dataset first: partial runs still compare datasets
-            for dataset in args.datasets:
-                prompts = load_eval_prompts(dataset, args.num_prompts)
-                key = f"{Path(draft_path).name}/{dataset}/{mode}"
-                results["results"][key] = measure_acceptance(
-                    target, tokenizer, draft, prompts, do_sample=mode == "sample",
-                    max_new_tokens=args.max_new_tokens, desc=key, batch_size=args.batch_size)
-                r = results["results"][key]
-                per_position = [round(x, 2) if x is not None else None for x in r["per_position_acceptance"]]
-                print(f"{key}: tau={r['tau']:.2f} per-position={per_position}", flush=True)
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(results, indent=2))
+__all__ = ["left_padded", "measure_acceptance", "tau_table"]
 
 
 if __name__ == "__main__":
+    # `python -m dspark_hf.benchmarks.evaluation` (in docs, model cards and result files) keeps working.
+    # This runs as the module __main__, so importing the CLI here cannot form an import cycle.
+    from .evaluate_cli import main
+
     main()

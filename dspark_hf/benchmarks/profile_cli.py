@@ -19,8 +19,9 @@ import argparse
 
 import torch
 
+from ..cache_dir import default_cache_dir
 from ..cpu_fast_path import optimize_for_cpu
-from ..scheduler import default_cache_dir, profile_sps, sps_cache_key
+from ..step_rates import profile_sps, sps_cache_key
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     else:
-        from ..training.smollm2 import load_smollm2
+        from ..demo_target import load_smollm2
 
         target, _ = load_smollm2()
     if not args.no_fast_path:

@@ -14,9 +14,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..candidate_generator import RoundStats
 from ..modeling_dspark import DSparkDraftModel
-from ..scheduler import FixedLengthPolicy, ThresholdPolicy, shared_cost_model
+from ..policies import FixedLengthPolicy, ThresholdPolicy
+from ..rounds import RoundStats
+from ..step_rates import shared_cost_model
 
 MODES = ("greedy", "sample")
 

@@ -13,19 +13,26 @@ On a CPU, regenerating answers is the slowest part of making a draft (seconds pe
 :func:`sharegpt_reference_answers` can add conversations with their original ShareGPT answers
 (``mode = "reference"``; EAGLE trained on such fixed data). The training targets stay the target's
 own next-token distributions on that text; only the contexts are off-policy.
+
+The chat helpers (:func:`chat_prompt_ids`, :func:`encode_prompt`, :func:`has_chat_template`,
+:func:`trim_after_eos`) live in :mod:`dspark_hf.chat_text` now, shared with the benchmarks; they
+stay importable from here (the same objects).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
+
+# Re-exported: these lived here before moving to dspark_hf.chat_text.
+from ..chat_text import chat_prompt_ids, encode_prompt, has_chat_template, trim_after_eos
 
 logger = logging.get_logger(__name__)
 
@@ -121,42 +128,6 @@ def sharegpt_reference_answers(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return out_path
-
-
-def trim_after_eos(tokens: list[int], eos_ids: Iterable[int]) -> list[int]:
-    """``tokens`` up to and including the first EOS (all of them when there is none)."""
-    eos_ids = set(eos_ids)
-    for position, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: position + 1]
-    return tokens
-
-
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of a one-turn chat with the generation prompt appended."""
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_dict=True)
-    return list(encoded["input_ids"])
-
-
-def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether ``tokenizer`` carries a chat template (instruct models do; base models usually not)."""
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, turns: list[dict] | None = None) -> list[int]:
-    """Token ids the target answers: the chat template with the generation prompt when the tokenizer
-    has one, else plain text (base models).
-
-    ``turns`` (``[{"role", "content"}, ...]``, ending with a user turn) is a conversation; without it
-    the prompt is one user turn, ``text``. As plain text a conversation is its turns' contents joined
-    by blank lines, tokenised with the tokenizer's own special tokens (its BOS, when it adds one).
-    """
-    messages = list(turns) if turns else [{"role": "user", "content": text}]
-    if has_chat_template(tokenizer):
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-        return list(encoded["input_ids"])
-    return list(tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"])
 
 
 @torch.no_grad()

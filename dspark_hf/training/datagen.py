@@ -1,6 +1,6 @@
 """On-policy training data at scale: the target answers every prompt itself, in batches, into shards.
 
-One command makes (or resumes) the whole corpus::
+One command makes (or resumes) the whole corpus (``dspark-hf datagen`` is the same command)::
 
     python -m dspark_hf.training.datagen --out data/smollm2-onpolicy --threads 2
 
@@ -44,8 +44,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from ..chat_text import chat_prompt_ids, encode_prompt, trim_after_eos  # chat_prompt_ids: kept importable here
 from ..cpu_fast_path import optimize_for_cpu
-from .data import chat_prompt_ids, encode_prompt, trim_after_eos  # chat_prompt_ids: kept importable here
 from .prompt_sources import SOURCES, Prompt, eval_overlap, load_sources, read_eval_prompts, source_versions
 from .target_loading import resolve_target
 
@@ -95,7 +95,7 @@ def read_jsonl_gz(path: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------- plan
 def build_plan(prompts: list[Prompt], tokenizer: PreTrainedTokenizerBase, *, seed: int = 0,
                max_prompt_tokens: int = 256) -> list[dict]:
-    """The prompt plan: prompts whose encoded form (:func:`~dspark_hf.training.data.encode_prompt`: the
+    """The prompt plan: prompts whose encoded form (:func:`~dspark_hf.chat_text.encode_prompt`: the
     chat template, or plain text for a tokenizer without one) fits ``max_prompt_tokens``, in a seeded
     shuffled order. A conversation keeps its ``turns``; single-turn items have no such key."""
     kept = [p for p in tqdm(prompts, desc="Prompt lengths", unit="prompt", leave=False)
@@ -313,7 +313,7 @@ def load_plan(folder: str | Path) -> list[dict]:
 # -------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> None:
     """CLI: plan the prompts, then answer them with the target into resumable shards."""
-    parser = argparse.ArgumentParser(prog="python -m dspark_hf.training.datagen", description=__doc__,
+    parser = argparse.ArgumentParser(prog="dspark-hf datagen", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/smollm2-onpolicy", help="output folder (resumes if it exists)")
     parser.add_argument("--model", default=None,

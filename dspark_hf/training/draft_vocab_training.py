@@ -157,7 +157,7 @@ def reduced_vocab_loss(
     tv_weight: float,
     conf_weight: float,
 ) -> dict[str, torch.Tensor]:
-    """The paper's loss (:func:`dspark_hf.training.dspark_loss`) for a reduced draft vocabulary.
+    """The paper's loss (:func:`dspark_hf.training.trainer.dspark_loss`) for a reduced draft vocabulary.
 
     Args:
         draft_logits: ``U + B`` over the subset, (A, gamma, N) in ``draft_vocab_ids`` order.

