@@ -122,3 +122,20 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
         assert r["identical_to_target"] is True
         assert r["dspark_batched_tokens_per_s"] > 0 and r["speedup_vs_batched_target"] > 0
     assert (out / "batch_sweep.png").is_file() and "| 3 |" in (out / "batch_sweep.md").read_text()
+
+
+def test_bench_dtype_option_loads_target_and_drafts_in_that_dtype(tmp_path):
+    from dspark_hf.benchmarks.bench_cli import build_parser, load_models
+
+    target = random_target("llama", vocab_size=48, num_layers=3)
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "dspark"
+    target.save_pretrained(target_dir)
+    tiny_tokenizer([f"w{i}" for i in range(40)]).save_pretrained(target_dir)
+    DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).save_pretrained(draft_dir)
+    args = build_parser().parse_args(["--target", str(target_dir), "--dspark", str(draft_dir), "--dflash", "none",
+                                      "--dtype", "bfloat16", "--no-fast-path"])
+    loaded, _, stock, drafts = load_models(args)
+    assert loaded.dtype == stock.dtype == torch.bfloat16
+    assert {p.dtype for p in drafts["dspark"].parameters() if p.is_floating_point()} == {torch.bfloat16}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dtype", "int8"])

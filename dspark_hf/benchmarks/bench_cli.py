@@ -92,9 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep-only", action="store_true", help="run only the batch-size sweep")
     parser.add_argument("--sweep-new-tokens", type=int, default=64, help="new tokens per row in the sweep")
     parser.add_argument("--out", default="results/bench")
+    parser.add_argument("--dtype", choices=sorted(BENCH_DTYPES), default="float32",
+                        help="dtype of the target and the drafts (default float32; greedy outputs are compared with "
+                             "the target alone in the same dtype, where near-ties can flip in bf16/fp16)")
     parser.add_argument("--no-fast-path", action="store_true",
                         help="do not prepare the target and drafts with optimize_for_cpu (then target = target-stock)")
     return parser
+
+
+BENCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_drafts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -113,21 +119,22 @@ def resolve_drafts(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def load_models(args: argparse.Namespace):
-    """The target, its tokenizer, an unprepared copy of the target and the drafts (by name)."""
+    """The target, its tokenizer, an unprepared copy of the target and the drafts (by name), all in ``--dtype``."""
+    dtype = BENCH_DTYPES[getattr(args, "dtype", "float32")]
     if args.target:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.target)
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     else:
         from ..demo_target import load_smollm2
 
-        target, tokenizer = load_smollm2()
-    drafts = {"dspark": DSparkDraftModel.from_pretrained(args.dspark).float().eval()}
+        target, tokenizer = load_smollm2(dtype=dtype)
+    drafts = {"dspark": DSparkDraftModel.from_pretrained(args.dspark).to(dtype).eval()}
     if args.dflash.lower() != "none":
-        drafts["dflash"] = DSparkDraftModel.from_pretrained(args.dflash).float().eval()
+        drafts["dflash"] = DSparkDraftModel.from_pretrained(args.dflash).to(dtype).eval()
     if args.candidate:
-        drafts["candidate"] = DSparkDraftModel.from_pretrained(args.candidate).float().eval()
+        drafts["candidate"] = DSparkDraftModel.from_pretrained(args.candidate).to(dtype).eval()
     stock_target = copy.deepcopy(target)
     if not args.no_fast_path:
         optimize_for_cpu(target)
