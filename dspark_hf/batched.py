@@ -64,7 +64,8 @@ from .policies import checked_admission, lookup_step_rates
 from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
                      record_source_round)
 from .sampling import NON_FINITE_DRAFT_WARNING, SerialSample, serial_sample
-from .settings import record_generation_stats, resolve_settings
+from .draft_runtime import record_generation_stats
+from .settings import resolve_settings
 from .stopping import first_stops, positional_criteria
 
 logger = logging.get_logger(__name__)

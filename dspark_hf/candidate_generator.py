@@ -33,7 +33,8 @@ from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after
                      record_source_round)
 from .sampling import NON_FINITE_DRAFT_WARNING, serial_sample
 from .policies import VerifyPolicy, checked_admission, lookup_step_rates
-from .settings import record_generation_stats, resolve_settings
+from .draft_runtime import record_generation_stats
+from .settings import resolve_settings
 
 logger = logging.get_logger(__name__)
 

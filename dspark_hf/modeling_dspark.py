@@ -35,7 +35,7 @@ from .checkpoint_dtypes import check_checkpoint_dtypes
 from .configuration_dspark import DSparkConfig, target_layer_ids_problem
 from .draft_masks import layer_attention_masks
 from .heads import ConfidenceHead, MarkovHead
-from .settings import DraftRuntimeSettings
+from .draft_runtime import DraftRuntimeSettings
 from .targets import draft_backbone_fields
 
 logger = logging.get_logger(__name__)

@@ -39,9 +39,6 @@ the call.
 from __future__ import annotations
 
 import copy
-import threading
-import weakref
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +46,15 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .context_lookup import ContextLookup
+# The draft's run-time state moved below the model; DraftRuntimeSettings and record_generation_stats
+# are still importable from here.
+from .draft_runtime import GATE_FIELD, POLICY_FIELD, DraftRuntimeSettings, record_generation_stats
 from .drafting_gate import DraftingGate
 from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
 from .step_rates import shared_cost_model
 
 logger = logging.get_logger(__name__)
 
-POLICY_FIELD = "dspark_verify_policy"
-GATE_FIELD = "dspark_adaptive_drafting"
 DSPARK_FIELDS = (POLICY_FIELD, GATE_FIELD)
 POLICY_NAMES = ("scheduler", "fixed", "threshold", "per_position_threshold")
 # transformers' assisted-generation fields DSpark reads (their defaults must not count as set).
@@ -336,70 +334,6 @@ def resolve_context_lookup(draft: PreTrainedModel, generation_config: Generation
     if num_tokens == 0:
         return None
     return ContextLookup(max_tokens=num_tokens, max_ngram=DEFAULT_LOOKUP_NGRAM if ngram is None else ngram)
-
-
-# ---------------------------------------------------------------- the last call's statistics
-_LAST_STATS = threading.local()  # per thread: {draft: stats of its latest call in this thread}
-
-
-def record_generation_stats(draft: PreTrainedModel, stats: Any) -> None:
-    """Makes ``stats`` what ``draft.last_generation_stats`` returns in the calling thread."""
-    per_draft = getattr(_LAST_STATS, "by_draft", None)
-    if per_draft is None:
-        per_draft = _LAST_STATS.by_draft = weakref.WeakKeyDictionary()
-    per_draft[draft] = stats
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"draft.{old} is deprecated and will be removed in the next release; use {new} instead.",
-                  FutureWarning, stacklevel=3)
-
-
-class DraftRuntimeSettings:
-    """The draft model's view of run-time settings and statistics (mixed into ``DSparkDraftModel``).
-
-    ``last_generation_stats`` is the statistics of the latest ``generate`` call made with this
-    draft from the calling thread. The old attributes ``verify_policy``, ``adaptive_drafting`` and
-    ``generation_stats`` still work for one release, with a ``FutureWarning``: the first two read
-    and write ``generation_config.dspark_verify_policy`` / ``dspark_adaptive_drafting``.
-    """
-
-    @property
-    def last_generation_stats(self):
-        """:class:`~dspark_hf.rounds.DSparkGenerationStats` of this thread's latest
-        ``generate`` call with this draft (``None`` before the first)."""
-        per_draft = getattr(_LAST_STATS, "by_draft", None)
-        return None if per_draft is None else per_draft.get(self)
-
-    @property
-    def generation_stats(self):
-        _deprecated("generation_stats", "draft.last_generation_stats")
-        return self.last_generation_stats
-
-    @generation_stats.setter
-    def generation_stats(self, stats) -> None:
-        _deprecated("generation_stats", "draft.last_generation_stats")
-        record_generation_stats(self, stats)
-
-    @property
-    def verify_policy(self):
-        _deprecated("verify_policy", f"draft.generation_config.{POLICY_FIELD} or generate(..., {POLICY_FIELD}=...)")
-        return getattr(self.generation_config, POLICY_FIELD, None)
-
-    @verify_policy.setter
-    def verify_policy(self, policy) -> None:
-        _deprecated("verify_policy", f"draft.generation_config.{POLICY_FIELD} or generate(..., {POLICY_FIELD}=...)")
-        setattr(self.generation_config, POLICY_FIELD, policy)
-
-    @property
-    def adaptive_drafting(self):
-        _deprecated("adaptive_drafting", f"draft.generation_config.{GATE_FIELD} or generate(..., {GATE_FIELD}=...)")
-        return getattr(self.generation_config, GATE_FIELD, None)
-
-    @adaptive_drafting.setter
-    def adaptive_drafting(self, choice) -> None:
-        _deprecated("adaptive_drafting", f"draft.generation_config.{GATE_FIELD} or generate(..., {GATE_FIELD}=...)")
-        setattr(self.generation_config, GATE_FIELD, choice)
 
 
 __all__ = ["DSPARK_FIELDS", "DSparkSettings", "DraftRuntimeSettings", "POLICY_NAMES", "mark_call_settings",

@@ -39,9 +39,15 @@ SHIMS = {
 # Names a runtime module still re-exports for old code: imported from their home everywhere else.
 MOVED_NAMES = {("dspark_hf.candidate_generator", "RoundStats"): "dspark_hf.rounds",
                ("dspark_hf.candidate_generator", "DSparkGenerationStats"): "dspark_hf.rounds",
+               ("dspark_hf.settings", "DraftRuntimeSettings"): "dspark_hf.draft_runtime",
+               ("dspark_hf.settings", "record_generation_stats"): "dspark_hf.draft_runtime",
                **{("dspark_hf.training.data", name): "dspark_hf.chat_text"
                   for name in ("chat_prompt_ids", "encode_prompt", "has_chat_template", "trim_after_eos")}}
 REPO = PACKAGE_DIR.parent
+# The scheduling stack: how much is drafted and verified, and the round around it. The model sits
+# below it (its run-time state lives in dspark_hf.draft_runtime), so loading a draft loads none of it.
+SCHEDULING_STACK = ("dspark_hf.settings", "dspark_hf.policies", "dspark_hf.step_rates", "dspark_hf.cost_model",
+                    "dspark_hf.drafting_gate", "dspark_hf.context_lookup", "dspark_hf.rounds")
 
 
 # ----------------------------------------------------------------------------- reading the tree
@@ -259,6 +265,25 @@ def test_the_decoding_path_never_imports_the_shared_helpers():
                  if not _is_tooling(module) and module not in ENTRY_POINTS and module not in HELPERS
                  for target in sorted(targets) if target in HELPERS]
     assert not offenders, "decoding-path modules importing the shared helpers:\n" + "\n".join(offenders)
+
+
+def _reachable(module: str) -> set[str]:
+    """Every package module ``module`` imports, directly or through others."""
+    seen, stack = set(), [module]
+    while stack:
+        for target in GRAPH[stack.pop()]:
+            if target not in seen:
+                seen.add(target)
+                stack.append(target)
+    return seen
+
+
+def test_the_model_sits_below_the_scheduling_stack():
+    """``modeling_dspark`` imports nothing from the scheduling stack, directly or through another
+    module: the draft's run-time state (statistics, deprecated attributes) is ``draft_runtime``'s."""
+    assert all(module in MODULES for module in SCHEDULING_STACK)
+    reached = sorted(_reachable("dspark_hf.modeling_dspark") & set(SCHEDULING_STACK))
+    assert not reached, f"dspark_hf.modeling_dspark reaches the scheduling stack: {reached}"
 
 
 def test_no_package_module_imports_a_compatibility_shim():
