@@ -19,6 +19,10 @@ One round for the R' rows still running (:class:`BatchedDSparkGeneration`, one m
 6. roll back and emit: per-row rollback of both caches; rows that finished (EOS, length, a
    stopping criterion) leave the batch and stop costing verification.
 
+The round is a :class:`~dspark_hf.rounds.RoundPlan`, and each row's budget, source, verified
+length and record are decided by :class:`~dspark_hf.rounds.RoundDecisions`, the same code as at
+batch size 1; this module holds the batched forwards, acceptance, ragged caches and stopping.
+
 Ragged caches: rows accept different numbers of tokens, so after a round row r has ``n_r + 1``
 valid new slots (anchor + accepted draft tokens) out of the ``1 + max_k`` appended. Both the
 target's ``DynamicCache`` and the draft's context cache keep that slot layout, with one validity
@@ -39,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel
@@ -54,21 +57,14 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
 
-
-from transformers.utils import logging
-
 from .configuration_dspark import hidden_state_indices
-from .context_lookup import LookupProposal, SourceChooser
-from .modeling_dspark import DraftContextCache, DSparkDraftModel
-from .policies import checked_admission, lookup_step_rates
-from .rounds import (DSparkGenerationStats, RoundStats, choose_lookup, cut_after_first_eos, record_gate_round,
-                     record_source_round)
-from .sampling import NON_FINITE_DRAFT_WARNING, SerialSample, serial_sample
+from .context_lookup import SourceChooser
 from .draft_runtime import record_generation_stats
+from .modeling_dspark import DraftContextCache, DSparkDraftModel
+from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, cut_after_first_eos
+from .sampling import serial_sample
 from .settings import resolve_settings
 from .stopping import first_stops, positional_criteria
-
-logger = logging.get_logger(__name__)
 
 SEQUENCE_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
                             TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
@@ -193,21 +189,6 @@ def _speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, targe
     return accepted, torch.multinomial(distribution, 1).squeeze(1)
 
 
-@dataclass
-class RoundPlan:
-    """What one round verifies for the ``A`` running rows (indices are positions among them)."""
-
-    anchors: torch.LongTensor  # x0 of each row, (A,)
-    lengths: list[int]  # proposed tokens each row verifies
-    lookups: dict[int, LookupProposal] = field(default_factory=dict)  # rows verifying a lookup copy
-    drafting: bool = False  # whether the draft ran
-    draft_rows: torch.Tensor | None = None  # rows that drafted, (D,)
-    sample: SerialSample | None = None  # their serial sample
-    draft_time: float = 0.0
-    serial_time: float = 0.0
-    schedule_time: float = 0.0  # lookup search, admission and EOS cut
-
-
 class BatchedDSparkGeneration:
     """One call of batched DSpark decoding: settings, caches, rows, statistics.
 
@@ -235,7 +216,7 @@ class BatchedDSparkGeneration:
             raise ValueError(f"max_length {generation_config.max_length} leaves no room after the "
                              f"{self.prompt_len}-token prompt.")
         settings = resolve_settings(draft, target, generation_config, self.num_rows)  # this call's, never the draft's
-        self.policy, self.gate, self.max_draft_tokens = settings.policy, settings.gate, settings.max_draft_tokens
+        self.policy = settings.policy
         lookup = settings.lookup
         # Each row learns its own lookup acceptance and DSpark rate: rows differ in how much they copy.
         self.choosers = [SourceChooser(copy.deepcopy(lookup)) for _ in range(self.num_rows)] if lookup else None
@@ -243,6 +224,8 @@ class BatchedDSparkGeneration:
         self.layer_indices = hidden_state_indices(draft.config.target_layer_ids)
         self.stats = DSparkGenerationStats(block_size=self.gamma)
         record_generation_stats(draft, self.stats)
+        # Budgets, sources, admitted lengths and the record are decided there, as at batch size 1.
+        self.rounds = RoundDecisions(settings, target, self.eos_ids, self.stats, batched=True)
         # EOS and length are enforced as tokens are emitted; other criteria are checked per position.
         self.positional = positional_criteria(stopping_criteria, generation_config)
         self.clocks = [c for c in stopping_criteria or [] if type(c) is MaxTimeCriteria]
@@ -254,7 +237,6 @@ class BatchedDSparkGeneration:
         self.num_generated = [0] * self.num_rows
         self.done: set[int] = set()
         self.rows = list(range(self.num_rows))  # original index of each running row
-        self.warned_non_finite = False
         # Set by prefill(): both caches in the ragged slot layout, the slots' validity mask, each
         # running row's next position, each row's first prompt token; by verify(): the slots' positions.
         self.cache: DynamicCache | None = None
@@ -279,16 +261,16 @@ class BatchedDSparkGeneration:
         """Generates; returns ``(R, prompt + longest generation)`` token ids, early rows padded."""
         self.prefill()
         while self.drop_finished_rows():
-            round_start = time.perf_counter()
             plan = self.choose_sources()
             self.draft_block(plan)
             self.schedule(plan)
-            verify_start = time.perf_counter()
+            plan.verify_start = time.perf_counter()
             outputs, verify_ids, target_logits = self.verify(plan)
             accepted, next_tokens = self.accept(plan, verify_ids, target_logits)
             self.roll_back(outputs, verify_ids.shape[1], accepted)
             self.emit(verify_ids, accepted, next_tokens)
-            self.record(plan, accepted.tolist(), round_start, verify_start)
+            self.rounds.record(plan, accepted.tolist(), self.rows,
+                               [self.choosers[r] for r in self.rows] if self.choosers is not None else None)
             if self.slot_mask.shape[1] > 32 and self.slot_mask.shape[1] > 2 * int(self.slot_mask.sum(dim=1).max()):
                 self.slot_mask = _compact(self.cache, self.draft_cache, self.slot_mask)
         longest = max(self.num_generated)
@@ -331,37 +313,21 @@ class BatchedDSparkGeneration:
         return True
 
     def choose_sources(self) -> RoundPlan:
-        """Each row's lookup proposal, kept where its chooser values it above DSpark for this row
-        (from the row's own context and past rounds only)."""
+        """A new round: each row's budget, and its lookup proposal where its chooser values it
+        above DSpark for this row (from the row's own context and past rounds only)."""
         anchors = self.sequences[self.rows, [self.prompt_len + self.num_generated[r] - 1 for r in self.rows]]
-        plan = RoundPlan(anchors=anchors, lengths=[0] * len(self.rows))
-        if self.choosers is None:
-            return plan
-        start = time.perf_counter()
-        sps = self.lookup_sps()
-        for i, r in enumerate(self.rows):
-            chooser, end = self.choosers[r], self.prompt_len + self.num_generated[r]
-            budget = min(chooser.lookup.max_tokens, self.max_new - self.num_generated[r] - 1)
-            proposal, keep = choose_lookup(chooser, self.sequences[r, self.first_real[r]: end], budget, sps,
-                                           self.eos_ids)
-            if keep > 0:
-                plan.lookups[i], plan.lengths[i] = proposal, keep
-        plan.schedule_time += time.perf_counter() - start
+        plan = self.rounds.start(anchors, [self.max_new - self.num_generated[r] for r in self.rows])
+        if self.choosers is not None:
+            sequences = [self.sequences[r, self.first_real[r]: self.prompt_len + self.num_generated[r]] for r in self.rows]
+            self.rounds.choose_sources(plan, [self.choosers[r] for r in self.rows], sequences)
         return plan
-
-    def lookup_sps(self) -> tuple[float, ...]:
-        return lookup_step_rates(self.policy, self.target, self.choosers[0].lookup.max_tokens)
-
-    def budget(self, row: int) -> int:
-        """Draft positions row ``row`` (original index) may verify before its length limit."""
-        return min(self.max_draft_tokens, self.max_new - self.num_generated[row] - 1)
 
     def draft_block(self, plan: RoundPlan) -> None:
         """One draft forward over every running row (they share the context cache) and serial
-        sampling of the rows that draft; skipped when no row needs it or the gate says drafting
-        does not pay."""
-        wanting = [i for i, r in enumerate(self.rows) if i not in plan.lookups and self.budget(r) > 0]
-        if not wanting or (self.gate is not None and not self.gate.should_draft()):
+        sampling of the rows that draft (:meth:`RoundDecisions.drafting_rows`); skipped when no
+        row needs it or the gate says drafting does not pay."""
+        wanting = self.rounds.drafting_rows(plan)
+        if not wanting:
             return
         t0 = time.perf_counter()
         active = len(self.rows)
@@ -383,44 +349,11 @@ class BatchedDSparkGeneration:
         plan.draft_time, plan.serial_time = t1 - t0, time.perf_counter() - t1
 
     def schedule(self, plan: RoundPlan) -> None:
-        """The policy's verification lengths over the drafted rows' confidences (``admit_batch``:
-        one budget shared by every running row, each row's anchor counted), then each cut after its
-        first drafted EOS. Rows that verify a lookup copy or have no room offer no positions."""
-        if not plan.drafting:
-            return
-        start = time.perf_counter()
-        sample, drafted = plan.sample, plan.draft_rows.tolist()
-        budgets = [self.budget(self.rows[i]) for i in drafted]
-        # Each row verifies at most the positions before its first non-finite one (float16
-        # overflow), a cut decided by tokens drawn before it (SerialSample.finite_lengths). Later
-        # positions are offered as confidence 0.0, so every row offers its whole budget.
-        usable = sample.finite_lengths()
-        if sample.confidences is not None:
-            read = torch.cat([sample.confidences, usable[:, None].to(sample.confidences)], dim=1).tolist()
-        else:
-            read = [[1.0] * self.gamma + [n] for n in usable.tolist()]
-        usable = [int(row[-1]) for row in read]
-        per_row: list[list[float]] = [[] for _ in self.rows]
-        for i, row, b, n in zip(drafted, read, budgets, usable):
-            per_row[i] = [c if k < n else 0.0 for k, c in enumerate(row[:b])]
-        admitted = self.policy.admit_batch(per_row)
-        if not hasattr(admitted, "__len__") or len(admitted) != len(per_row):
-            raise ValueError(f"{type(self.policy).__name__}.admit_batch returned {admitted!r}; it must return one "
-                             f"verification length per request ({len(per_row)}).")
-        admitted = [checked_admission(self.policy, k, len(offer), "admit_batch") for k, offer in zip(admitted, per_row)]
-        lengths = [min(admitted[i], n) for i, n in zip(drafted, usable)]
-        if any(n < b for n, b in zip(usable, budgets)):
-            self.warn_non_finite()
-        lengths = cut_after_first_eos(sample.tokens, torch.tensor(lengths, device=sample.tokens.device),
-                                      self.eos_ids).tolist()
-        for i, k in zip(drafted, lengths):
-            plan.lengths[i] = k
-        plan.schedule_time += time.perf_counter() - start
-
-    def warn_non_finite(self) -> None:
-        if not self.warned_non_finite:
-            self.warned_non_finite = True
-            logger.warning(NON_FINITE_DRAFT_WARNING)
+        """The drafted rows' verification lengths (:meth:`RoundDecisions.admit`: ``admit_batch``
+        over every running row's confidences, one budget shared by all rows with each anchor
+        counted, then the cuts before the first non-finite position and after the first EOS)."""
+        if plan.drafting:
+            self.rounds.admit(plan)
 
     def verify(self, plan: RoundPlan):
         """One target forward over the ragged batch ``[x0_r, proposal_r]`` (right-padded to the
@@ -507,29 +440,6 @@ class BatchedDSparkGeneration:
                 self.sequences[r, stop:] = self.pad_id
                 self.num_generated[r] = stop - self.prompt_len
                 self.done.add(r)
-
-    def record(self, plan: RoundPlan, accepted: list[int], round_start: float, verify_start: float) -> None:
-        """Statistics (one RoundStats per row, the round's times shared), the cost model, each
-        row's source chooser and the drafting gate learn from the round."""
-        now = time.perf_counter()
-        active, verify_time, round_seconds = len(self.rows), now - verify_start, now - round_start
-        # The scheduler's B counts proposed tokens; the padded forward's cost is charged to it.
-        self.policy.observe_verify(active + sum(plan.lengths), verify_time)
-        drafted = set(plan.draft_rows.tolist()) if plan.drafting else set()
-        sps = self.lookup_sps() if self.choosers is not None else None
-        for i, (r, k, n) in enumerate(zip(self.rows, plan.lengths, accepted)):
-            lookup = plan.lookups.get(i)
-            self.stats.rounds.append(RoundStats(
-                verified=k, accepted=n, draft_time=plan.draft_time / active, serial_time=plan.serial_time / active,
-                schedule_time=plan.schedule_time / active, verify_time=verify_time / active,
-                drafted=i in drafted, source="lookup" if lookup is not None else "dspark", row=r))
-            if self.choosers is not None:
-                record_source_round(self.choosers[r], lookup, k, n, round_seconds / max(verify_time, 1e-9), sps)
-        if not plan.lookups:
-            record_gate_round(self.gate, drafted=plan.drafting, verified=sum(plan.lengths),
-                              produced=sum(accepted) + active, seconds=round_seconds,
-                              drafting_seconds=plan.draft_time + plan.serial_time + plan.schedule_time,
-                              sequences=active)
 
 
 @torch.no_grad()

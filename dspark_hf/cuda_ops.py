@@ -54,7 +54,7 @@ from .cache_dir import default_cache_dir
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
 from .draft_vocab import cuda_op_markov_w2
 from .policies import offer_until_refused
-from .serial_block import SerialSample, confidence_temperatures, position_confidence
+from .serial_block import SerialSample, admitted_sample, confidence_temperatures, position_confidence
 
 logger = logging.get_logger(__name__)
 
@@ -466,19 +466,12 @@ def _draw_admitted(draft, base_logits: torch.Tensor | None, hidden_states: torch
         # The op's confidences are not checked: a NaN is offered as it is and refused.
         keep = 1 + offer_until_refused(admission, later, validate=False, offered=offered)
     if result is None:
-        tokens = torch.empty(1, 0, dtype=torch.long, device=device)
-        logits = torch.empty(1, 0, vocab_size, device=device)
-        drawn_uniforms = uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None
-    else:
-        tokens, logits, drawn_uniforms = result.tokens[:, :keep], result.logits[:, :keep], result.uniforms
-    return SerialSample(
-        tokens=tokens,
-        logits=logits,
-        confidences=torch.tensor([offered], dtype=torch.float32, device=device) if has_confidence else None,
-        uniforms=drawn_uniforms,
-        num_admitted=keep,
-        lm_head_seconds=lm_head_seconds,
-    )
+        return admitted_sample(None, None, offered, has_confidence=has_confidence, uniforms=uniforms,
+                               lm_head_seconds=lm_head_seconds, vocab_size=vocab_size, device=device)
+    # The same fields as the reference loop's (offered included: it carries a refused NaN to the warning).
+    return admitted_sample(result.tokens[:, :keep], result.logits[:, :keep], offered, has_confidence=has_confidence,
+                           uniforms=result.uniforms, lm_head_seconds=lm_head_seconds, vocab_size=vocab_size,
+                           device=device)
 
 
 __all__ = [

@@ -5,26 +5,46 @@ transformers' assisted-decoding loop) and batched (:mod:`dspark_hf.batched`, DSp
 choose a source (context lookup or the draft), draft and schedule, verify, accept, record. This
 module holds the pieces of that round that do not depend on which loop runs it:
 
+* the round contract, :class:`RoundPlan`: what one round proposes and verifies for each running
+  sequence (budget, source, the draft's sample, the confidences the policy read, its admitted
+  length, the verified length), and :class:`RoundDecisions`, the one place that decides those
+  fields for both loops: the budget, the source (:meth:`RoundDecisions.choose_sources`), whether
+  to draft (:meth:`RoundDecisions.drafting_rows`), the verified length
+  (:meth:`RoundDecisions.admit`: the policy, then the cut before the first non-finite position
+  and after the first drafted EOS) and what the round teaches the policy, the gate and the
+  choosers (:meth:`RoundDecisions.record`);
 * round statistics (:class:`RoundStats`, :class:`DSparkGenerationStats`);
 * trimming a proposal after its first EOS (:func:`cut_after_first_eos`);
 * the lookup-or-draft choice of one sequence (:func:`choose_lookup`) and what each round teaches
   the chooser (:func:`record_source_round`);
 * the drafting gate's bookkeeping (:func:`record_gate_round`).
 
-It imports nothing from the policies or the loops, so any of them may import it.
+It imports the policies' helpers (never the loops), so both loops may import it.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from transformers.utils import logging
 
 from .context_lookup import LookupProposal, SourceChooser
+from .policies import VerifyPolicy, checked_admission, lookup_step_rates
+from .serial_block import NON_FINITE_DRAFT_WARNING, SerialSample
+
+if TYPE_CHECKING:
+    from .settings import DSparkSettings
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "DSparkGenerationStats",
+    "RoundDecisions",
+    "RoundPlan",
     "RoundStats",
     "choose_lookup",
     "cut_after_first_eos",
@@ -251,3 +271,236 @@ def record_gate_round(gate: GateRecorder | None, *, drafted: bool, verified: int
         gate.record_drafted(produced, seconds)
     if verified == 0:
         gate.record_plain(seconds - drafting_seconds, tokens=sequences)
+
+
+# ---------------------------------------------------------------------------------------------
+# The round contract and the decisions both loops share
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundPlan:
+    """What one round proposes and verifies for its ``A`` running sequences (``A = 1`` at batch
+    size 1); row ``i`` is the ``i``-th running sequence.
+
+    The loop that runs the round sets ``anchors`` (through :meth:`RoundDecisions.start`), what the
+    draft produced (``drafting``, ``draft_rows``, ``sample``, ``draft_time``, ``serial_time``) and
+    ``verify_start``; :class:`RoundDecisions` decides everything else, the same way for both loops.
+
+    Attributes:
+        anchors: ``x0`` of each row, (A,).
+        room: tokens each row may still emit before its length limit (its bonus token included).
+        budgets: draft positions each row may verify: ``min(max_draft_tokens, room - 1)``.
+        lengths: proposal tokens each row verifies (0: a plain target step); the source's
+            tokens are ``lookups[i].tokens`` or the row's drafted tokens in ``sample``.
+        lookups: the rows whose source is a context-lookup copy (:meth:`source`).
+        drafting: whether the draft ran this round.
+        draft_rows: the rows that drafted, (D,), in the order of ``sample``'s rows.
+        sample: their serial sample (tokens, the logits they were drawn from, confidences).
+        offered: per drafted row, the confidences the policy read: those offered one by one
+            inside the serial loop, or the budget's, with 0.0 from the first non-finite position
+            on, for a policy that decides on the whole block.
+        admitted: per drafted row, the policy's length before the finite and EOS cuts.
+        round_start, verify_start: ``time.perf_counter()`` when the round and its verify forward began.
+        draft_time, serial_time, schedule_time: seconds in the draft forward (LM head included),
+            the serial loop (the incremental policy included) and the rest of the decisions (the
+            lookup search, the policy on the whole block, the cuts).
+    """
+
+    anchors: torch.LongTensor
+    room: list[int]
+    budgets: list[int]
+    lengths: list[int]
+    lookups: dict[int, LookupProposal] = field(default_factory=dict)
+    drafting: bool = False
+    draft_rows: torch.Tensor | None = None
+    sample: SerialSample | None = None
+    offered: list[list[float]] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+    round_start: float = 0.0
+    verify_start: float = 0.0
+    draft_time: float = 0.0
+    serial_time: float = 0.0
+    schedule_time: float = 0.0
+
+    def source(self, row: int) -> str:
+        """``"lookup"`` when row ``row`` verifies a context-lookup copy, else ``"dspark"`` (drafted or a plain step)."""
+        return "lookup" if row in self.lookups else "dspark"
+
+
+class RoundDecisions:
+    """The decisions of one ``generate`` call's rounds that both loops take the same way.
+
+    Each round: :meth:`start` (each row's budget), :meth:`choose_sources` (lookup or draft),
+    :meth:`drafting_rows` (which rows the draft runs for, the gate asked), then after the draft
+    :meth:`admit` (the verified lengths), and after verification :meth:`record`. Every decision
+    reads the past rounds, the text so far and the confidences up to the position being decided,
+    never the token being verified, so none of them changes the output.
+
+    Args:
+        settings: the call's resolved settings (policy, gate, lookup, ``max_draft_tokens``).
+        target: the target model (the lookup choice reads its step rates).
+        eos_token_ids: the call's EOS ids, or None.
+        stats: the call's statistics; :meth:`record` appends one :class:`RoundStats` per row.
+        batched: the batched loop decides all rows together with ``policy.admit_batch``. At batch
+            size 1 a policy with the incremental form (``start_round``) decides inside the serial
+            loop (:meth:`admission`), and one with only ``admit`` on the whole block.
+    """
+
+    def __init__(self, settings: "DSparkSettings", target: torch.nn.Module, eos_token_ids: torch.Tensor | None,
+                 stats: DSparkGenerationStats, *, batched: bool) -> None:
+        self.policy, self.gate, self.max_draft_tokens = settings.policy, settings.gate, settings.max_draft_tokens
+        self.lookup_max_tokens = settings.lookup.max_tokens if settings.lookup is not None else 0
+        self.target = target
+        self.eos_token_ids = eos_token_ids
+        self.stats = stats
+        self.batched = batched
+        self.incremental = not batched and type(self.policy).start_round is not VerifyPolicy.start_round
+        self.warned_non_finite = False
+
+    # -- before the draft ----------------------------------------------------------------------
+
+    def start(self, anchors: torch.LongTensor, room: list[int]) -> RoundPlan:
+        """A new round for rows with anchors ``anchors`` and ``room[i]`` tokens left to emit."""
+        return RoundPlan(anchors=anchors, room=list(room), budgets=[min(self.max_draft_tokens, n - 1) for n in room],
+                         lengths=[0] * len(room), round_start=time.perf_counter())
+
+    def lookup_sps(self) -> tuple[float, ...]:
+        """The step-rate table the lookup choice reads (see :func:`~dspark_hf.policies.lookup_step_rates`)."""
+        return lookup_step_rates(self.policy, self.target, self.lookup_max_tokens)
+
+    def choose_sources(self, plan: RoundPlan, choosers: list[SourceChooser],
+                       sequences: list[torch.LongTensor]) -> None:
+        """Each row's context-lookup proposal, kept where its chooser values it above DSpark
+        (:func:`choose_lookup`, from the row's text so far, 1-D in ``sequences``, and its past
+        rounds only); sets ``plan.lookups`` and those rows' ``plan.lengths``."""
+        start = time.perf_counter()
+        sps = self.lookup_sps()
+        for i, (chooser, sequence) in enumerate(zip(choosers, sequences)):
+            budget = min(self.lookup_max_tokens, plan.room[i] - 1)
+            proposal, keep = choose_lookup(chooser, sequence, budget, sps, self.eos_token_ids)
+            if keep > 0:
+                plan.lookups[i], plan.lengths[i] = proposal, keep
+        plan.schedule_time += time.perf_counter() - start
+
+    def drafting_rows(self, plan: RoundPlan) -> list[int]:
+        """The rows the draft runs for: no lookup copy and room for a draft token. None when the
+        drafting gate says drafting does not pay (asked only when some row would draft)."""
+        wanting = [i for i, budget in enumerate(plan.budgets) if i not in plan.lookups and budget > 0]
+        if not wanting or (self.gate is not None and not self.gate.should_draft()):
+            return []
+        return wanting
+
+    def admission(self):
+        """The policy's ``offer`` for this round's serial loop (batch size 1, incremental policies), else None."""
+        return self.policy.start_round() if self.incremental else None
+
+    # -- after the draft -----------------------------------------------------------------------
+
+    def admit(self, plan: RoundPlan) -> None:
+        """Each drafted row's verified length, in ``plan.lengths``: the policy's admitted length
+        (decided inside the serial loop, or here on the offered confidences), cut before the first
+        position whose draft distribution or confidence is not finite (float16 overflow;
+        :meth:`SerialSample.finite_lengths`, decided by the tokens before that position only) and
+        just after the first drafted EOS (:func:`cut_after_first_eos`). Warns once per call when a
+        non-finite value was met. Reads the device with at most two transfers."""
+        start = time.perf_counter()
+        sample, drafted = plan.sample, plan.draft_rows.tolist()
+        budgets = [plan.budgets[i] for i in drafted]
+        if sample.num_admitted is not None:  # decided inside the serial loop (one row)
+            plan.offered, plan.admitted = [list(sample.offered or [])], [sample.num_admitted]
+            lengths, usable = self._cut(sample, plan.admitted, None)
+            # A non-finite confidence is refused by the built-in policies: it is the last offered.
+            offered = plan.offered[0]
+            non_finite = (bool(offered) and not math.isfinite(offered[-1])) or usable[0] < plan.admitted[0]
+        else:
+            plan.offered, usable = self._offered_confidences(sample, budgets)
+            plan.admitted = self._policy_lengths(plan, drafted)
+            lengths, _ = self._cut(sample, plan.admitted, usable)
+            non_finite = any(n < b for n, b in zip(usable, budgets))
+        if non_finite:
+            self.warn_non_finite()
+        for i, k in zip(drafted, lengths):
+            plan.lengths[i] = k
+        plan.schedule_time += time.perf_counter() - start
+
+    def _offered_confidences(self, sample: SerialSample, budgets: list[int]) -> tuple[list[list[float]], list[int]]:
+        """What a policy deciding on the whole block reads, per drafted row: ``c_1..c_budget``
+        (1.0 without a confidence head), 0.0 from the first non-finite position on, so every row
+        offers its whole budget and the list's length says nothing the drawn tokens decide; and
+        each row's finite length. One transfer."""
+        usable = sample.finite_lengths()
+        if sample.confidences is not None:
+            read = torch.cat([sample.confidences, usable[:, None].to(sample.confidences)], dim=1).tolist()
+        else:
+            read = [[1.0] * sample.tokens.shape[1] + [n] for n in usable.tolist()]
+        finite = [int(row[-1]) for row in read]
+        offered = [[c if k < n else 0.0 for k, c in enumerate(row[:b])] for row, b, n in zip(read, budgets, finite)]
+        return offered, finite
+
+    def _policy_lengths(self, plan: RoundPlan, drafted: list[int]) -> list[int]:
+        """The policy's lengths on ``plan.offered``: ``admit`` at batch size 1, ``admit_batch``
+        over every running row (rows that do not draft offer nothing) in the batched loop."""
+        if not self.batched:
+            offered = plan.offered[0]
+            return [checked_admission(self.policy, self.policy.admit(offered), len(offered))]
+        per_row: list[list[float]] = [[] for _ in plan.lengths]
+        for i, offered in zip(drafted, plan.offered):
+            per_row[i] = offered
+        admitted = self.policy.admit_batch(per_row)
+        if not hasattr(admitted, "__len__") or len(admitted) != len(per_row):
+            raise ValueError(f"{type(self.policy).__name__}.admit_batch returned {admitted!r}; it must return one "
+                             f"verification length per request ({len(per_row)}).")
+        admitted = [checked_admission(self.policy, k, len(offer), "admit_batch") for k, offer in zip(admitted, per_row)]
+        return [admitted[i] for i in drafted]
+
+    def _cut(self, sample: SerialSample, admitted: list[int], usable: list[int] | None) -> tuple[list[int], list[int]]:
+        """``admitted`` cut before each row's first non-finite position and after its first EOS;
+        returns the lengths and the finite lengths (``usable``, read here in the same transfer
+        when not given). Nothing is read when nothing was admitted."""
+        if not any(admitted):
+            return [0] * len(admitted), usable if usable is not None else list(admitted)
+        device = sample.tokens.device
+        if usable is not None:
+            capped = torch.tensor([min(k, n) for k, n in zip(admitted, usable)], device=device)
+            return cut_after_first_eos(sample.tokens, capped, self.eos_token_ids).tolist(), usable
+        finite = sample.finite_lengths()
+        capped = torch.minimum(finite, torch.tensor(admitted, device=finite.device))
+        cut = cut_after_first_eos(sample.tokens, capped, self.eos_token_ids)
+        both = torch.cat([finite, cut.to(finite)]).tolist()
+        return both[len(admitted):], both[: len(admitted)]
+
+    def warn_non_finite(self) -> None:
+        """Logs :data:`~dspark_hf.serial_block.NON_FINITE_DRAFT_WARNING` once per call."""
+        if not self.warned_non_finite:
+            self.warned_non_finite = True
+            logger.warning(NON_FINITE_DRAFT_WARNING)
+
+    # -- after verification --------------------------------------------------------------------
+
+    def record(self, plan: RoundPlan, accepted: list[int], rows: list[int],
+               choosers: list[SourceChooser] | None) -> None:
+        """The round is over: row ``i`` (batch index ``rows[i]``) accepted ``accepted[i]`` of its
+        ``plan.lengths[i]`` tokens. Appends one :class:`RoundStats` per row (the round's times
+        shared), and the policy's cost model, each row's source chooser (``choosers[i]``) and the
+        drafting gate learn from it."""
+        now = time.perf_counter()
+        active, verify_time, round_seconds = len(plan.lengths), now - plan.verify_start, now - plan.round_start
+        # The scheduler's B counts one anchor per row and the proposed tokens; a batched forward's
+        # padding is charged to it.
+        self.policy.observe_verify(active + sum(plan.lengths), verify_time)
+        drafted = set(plan.draft_rows.tolist()) if plan.drafting else set()
+        sps = self.lookup_sps() if choosers is not None else None
+        for i, (row, verified, n) in enumerate(zip(rows, plan.lengths, accepted)):
+            self.stats.rounds.append(RoundStats(
+                verified=verified, accepted=n, draft_time=plan.draft_time / active,
+                serial_time=plan.serial_time / active, schedule_time=plan.schedule_time / active,
+                verify_time=verify_time / active, drafted=i in drafted, source=plan.source(i), row=row))
+            if choosers is not None:
+                record_source_round(choosers[i], plan.lookups.get(i), verified, n,
+                                    round_seconds / max(verify_time, 1e-9), sps)
+        if not plan.lookups:
+            record_gate_round(self.gate, drafted=plan.drafting, verified=sum(plan.lengths),
+                              produced=sum(accepted) + active, seconds=round_seconds,
+                              drafting_seconds=plan.draft_time + plan.serial_time + plan.schedule_time,
+                              sequences=active)

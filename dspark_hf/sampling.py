@@ -31,8 +31,8 @@ from transformers import LogitsProcessorList
 from .heads import calibrated_confidences, confidence_logits
 from .draft_vocab import markov_bias
 from .modeling_dspark import DSparkDraftModel
-from .serial_block import (NON_FINITE_DRAFT_WARNING, SerialSample, add_markov_bias, confidence_temperatures,
-                           inverse_cdf_sample, position_confidence)
+from .serial_block import (NON_FINITE_DRAFT_WARNING, SerialSample, add_markov_bias, admitted_sample,
+                           confidence_temperatures, inverse_cdf_sample, position_confidence)
 
 BACKENDS = ("auto", "reference", "cuda")
 
@@ -225,17 +225,10 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
             lm_head_seconds = time.perf_counter() - start
         logits.append(draws.draw(k, base_logits[:, k - first]))
         tokens.append(draws.prev)
-    keep = len(tokens)
-    vocab = draft.config.vocab_size
-    return SerialSample(
-        tokens=torch.stack(tokens, dim=1) if keep else torch.empty(1, 0, dtype=torch.long, device=device),
-        logits=torch.stack(logits, dim=1) if keep else torch.empty(1, 0, vocab, device=device),
-        confidences=torch.tensor([offered], dtype=torch.float32, device=device) if has_confidence else None,
-        uniforms=uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None,
-        num_admitted=keep,
-        lm_head_seconds=lm_head_seconds,
-        offered=offered,
-    )
+    return admitted_sample(
+        torch.stack(tokens, dim=1) if tokens else None, torch.stack(logits, dim=1) if tokens else None, offered,
+        has_confidence=has_confidence, uniforms=uniforms, lm_head_seconds=lm_head_seconds,
+        vocab_size=draft.config.vocab_size, device=device)
 
 
 # SerialSample, NON_FINITE_DRAFT_WARNING, add_markov_bias and inverse_cdf_sample live in

@@ -20,6 +20,7 @@ __all__ = [
     "NON_FINITE_DRAFT_WARNING",
     "SerialSample",
     "add_markov_bias",
+    "admitted_sample",
     "confidence_temperatures",
     "inverse_cdf_sample",
     "position_confidence",
@@ -73,6 +74,37 @@ class SerialSample:
     def finite_rows(self) -> torch.Tensor:
         """(R,) bool: True where every drawn position of the row is finite (see :meth:`finite_lengths`)."""
         return self.finite_lengths() == self.tokens.shape[1]
+
+
+def admitted_sample(tokens: torch.LongTensor | None, logits: torch.Tensor | None, offered: list[float], *,
+                    has_confidence: bool, uniforms: torch.Tensor | None, lm_head_seconds: float,
+                    vocab_size: int, device: torch.device) -> SerialSample:
+    """The :class:`SerialSample` of one request decided by the policy's ``admission``: both paths
+    (the reference loop and the CUDA op's) build it here, so they set the same fields.
+
+    Args:
+        tokens, logits: the admitted ``x_1..x_keep`` (1, keep) and the logits they were drawn from
+            (1, keep, V); ``None`` when nothing was admitted.
+        offered: every confidence offered to the policy, the refused one included (1.0 each
+            without a confidence head); the generation loop reads its last value to warn about a
+            non-finite confidence.
+        has_confidence: whether the draft has a confidence head (else ``confidences`` is None).
+        uniforms: the numbers the tokens were drawn with, or None.
+        lm_head_seconds: wall time of the lazily run LM head.
+        vocab_size, device: the shape and place of the empty result when nothing was admitted.
+    """
+    if tokens is None:
+        tokens = torch.empty(1, 0, dtype=torch.long, device=device)
+        logits = torch.empty(1, 0, vocab_size, device=device)
+    return SerialSample(
+        tokens=tokens,
+        logits=logits,
+        confidences=torch.tensor([offered], dtype=torch.float32, device=device) if has_confidence else None,
+        uniforms=uniforms.to(device=device, dtype=torch.float32) if uniforms is not None else None,
+        num_admitted=tokens.shape[1],
+        lm_head_seconds=lm_head_seconds,
+        offered=offered,
+    )
 
 
 # Logged (once per generate call) when a round's draft distribution is not finite.

@@ -138,7 +138,7 @@ class PeekingGenerator(candidate_generator.DSparkCandidateGenerator):
         if logits is not None and int(candidates[0, cur_len]) == 0:
             proposal = ContextLookup(max_tokens=3).propose(input_ids[0], candidates.shape[1] - cur_len)
             if proposal is not None:
-                self._pending["verified"] = proposal.tokens.numel()
+                self.plan.lengths[0] = proposal.tokens.numel()
                 return torch.cat([input_ids, proposal.tokens[None]], dim=1), None
         return candidates, logits
 

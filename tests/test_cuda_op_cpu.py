@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import os
 import re
 import shutil
@@ -656,6 +657,33 @@ def test_generation_through_the_op_path_is_lossless_and_lazy(emulated_cuda, monk
     verifying = sum(1 for r in rounds if r.verified > 0)
     assert verifying > 0 and len(emulated_cuda) == verifying and len(head_calls) == verifying
     assert any(r.verified == 0 for r in rounds), "the scheduler should refuse some rounds outright"
+
+
+def test_a_nan_confidence_on_the_op_path_is_warned_about(emulated_cuda, monkeypatch, caplog):
+    """A draft whose confidence head gives NaN, on the (emulated) op path: the scheduler refuses
+    c_1 every round (plain steps, output unchanged), and the NaN reaches the non-finite warning
+    through ``SerialSample.offered``, which the op path sets as the reference loop does."""
+    from dspark_hf import DSparkDraftModel, PrefixScheduler
+    from dspark_hf.serial_block import NON_FINITE_DRAFT_WARNING
+    from tiny_models import random_target
+
+    admitted_calls = []
+    draw_admitted = cuda_ops._draw_admitted
+    monkeypatch.setattr(cuda_ops, "_draw_admitted", lambda *a, **k: admitted_calls.append(1) or draw_admitted(*a, **k))
+    target = random_target(vocab_size=64, context_scale=0.3)
+    draft = DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).eval()
+    with torch.no_grad():
+        draft.confidence_head.proj.bias.fill_(float("nan"))
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.6, 0.5, 0.45, 0.4])
+    draft.generation_config.dspark_adaptive_drafting = False
+    prompt = torch.tensor([[3, 7, 11, 2, 9]])
+    expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
+    with caplog.at_level(logging.WARNING):
+        out = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=draft)
+    assert out.tolist() == expected.tolist()
+    assert admitted_calls, "the rounds should take the op path"
+    assert emulated_cuda == [] and draft.last_generation_stats.verified_tokens == 0
+    assert sum(NON_FINITE_DRAFT_WARNING in r.getMessage() for r in caplog.records) == 1  # once per call
 
 
 # ----------------------------------------------------------------------------- CUDA-graph replay (plumbing)
