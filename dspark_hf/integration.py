@@ -1,10 +1,10 @@
 """Routes ``generate(..., assistant_model=<DSpark draft>)`` to :class:`DSparkCandidateGenerator`.
 
 transformers has no registration hook for candidate generators: ``GenerationMixin.
-_get_candidate_generator`` is a fixed if/elif chain. :func:`install_dspark_dispatch` wraps that one
-method, once, and the wrapper only acts when the assistant's config is a DSpark/DFlash draft config
-(recognised by content, since Hub remote code makes other class objects). Every other call goes to
-the original method unchanged.
+_get_candidate_generator`` is a fixed if/elif chain. :func:`install_dspark_dispatch` wraps it and
+three other private methods, once, each with its own ``wrap_*`` function, and every wrapper only
+acts when the assistant's config is a DSpark/DFlash draft config (recognised by content, since Hub
+remote code makes other class objects). Every other call goes to the original method unchanged.
 """
 
 from __future__ import annotations
@@ -108,36 +108,29 @@ def _check_attention_outputs(target, generation_config) -> None:
         )
 
 
-def install_dspark_dispatch() -> None:
-    """Installs the DSpark dispatch into transformers' generation (idempotent; run on import).
+# ----------------------------------------------------------------------------- one wrapper per method
+def wrap_prepare_generation_config(original):
+    """``_prepare_generation_config``: DSpark's ``generate()`` settings (``dspark_verify_policy``,
+    ...) go onto the call's generation config, and which assisted-generation fields the call set
+    explicitly is recorded (:func:`~dspark_hf.settings.mark_call_settings`)."""
 
-    Four private methods of ``GenerationMixin`` are wrapped: ``_prepare_generation_config`` (DSpark's
-    ``generate()`` settings, e.g. ``dspark_verify_policy``, go onto the call's generation config, and
-    which assisted-generation fields the call set explicitly is recorded, see
-    :mod:`dspark_hf.settings`), ``_validate_generation_mode`` (so a
-    mismatched draft fails with DSpark's own message before transformers' generic tokenizer check),
-    ``_get_candidate_generator`` (to build :class:`DSparkCandidateGenerator`) and
-    ``_assisted_decoding`` (a DSpark draft with batch size > 1 runs
-    :func:`dspark_hf.batched.batched_dspark_generate` instead of transformers' refusal; at batch
-    size 1 the call's stopping criteria are checked at every position a round adds, and the output
-    is cut at the first that fires, see :mod:`dspark_hf.stopping`).
-    """
-    if getattr(GenerationMixin._get_candidate_generator, _MARKER, False):
-        return
-    _check_transformers_api()
-    original = GenerationMixin._get_candidate_generator
-    original_validate = GenerationMixin._validate_generation_mode
-    original_prepare = GenerationMixin._prepare_generation_config
-
-    @functools.wraps(original_prepare)
+    @functools.wraps(original)
     def _prepare_generation_config(self, generation_config=None, **kwargs):
         # DSpark's settings are not GenerationConfig fields: transformers would pass them to the model.
         dspark_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("dspark_")}
-        config, model_kwargs = original_prepare(self, generation_config, **kwargs)
+        config, model_kwargs = original(self, generation_config, **kwargs)
         mark_call_settings(config, dspark_kwargs, kwargs, generation_config, getattr(self, "generation_config", None))
         return config, model_kwargs
 
-    @functools.wraps(original_validate)
+    return _prepare_generation_config
+
+
+def wrap_validate_generation_mode(original):
+    """``_validate_generation_mode``: a mismatched draft, beam search or a lossy setting fails with
+    DSpark's own message before transformers' generic tokenizer check; DSpark settings without a
+    DSpark draft are refused."""
+
+    @functools.wraps(original)
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs):
         draft = _as_dspark_draft(generation_mode_kwargs.get("assistant_model"))
         passed = dspark_kwargs_of_call(generation_config)
@@ -156,7 +149,13 @@ def install_dspark_dispatch() -> None:
                 )
             draft.check_target(self)
             refuse_lossy_settings(generation_config, draft)
-        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs)
+        return original(self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs)
+
+    return _validate_generation_mode
+
+
+def wrap_get_candidate_generator(original):
+    """``_get_candidate_generator``: a DSpark draft gets :class:`DSparkCandidateGenerator`."""
 
     @functools.wraps(original)
     def _get_candidate_generator(
@@ -165,87 +164,116 @@ def install_dspark_dispatch() -> None:
         if _as_dspark_draft(assistant_model) is not None:
             from .candidate_generator import DSparkCandidateGenerator
 
-            return DSparkCandidateGenerator(
-                assistant_model,
-                self,
-                generation_config=generation_config,
-                logits_processor=logits_processor,
-                batch_size=input_ids.shape[0],
-            )
-        return original(
-            self,
-            generation_config=generation_config,
-            input_ids=input_ids,
-            inputs_tensor=inputs_tensor,
-            logits_processor=logits_processor,
-            model_kwargs=model_kwargs,
-            assistant_model=assistant_model,
-            **kwargs,
-        )
+            return DSparkCandidateGenerator(assistant_model, self, generation_config=generation_config,
+                                            logits_processor=logits_processor, batch_size=input_ids.shape[0])
+        return original(self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+                        logits_processor=logits_processor, model_kwargs=model_kwargs,
+                        assistant_model=assistant_model, **kwargs)
 
-    original_assisted = GenerationMixin._assisted_decoding
+    return _get_candidate_generator
 
-    def _assisted_decoding_exact_stops(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       synced_gpus, streamer, inputs_tensor, assistant_model, model_kwargs):
-        # transformers' loop checks the criteria only on the end of each accepted block; this
-        # checks every position a round added, ends the loop at the first that fires and cuts there.
-        positional = positional_criteria(stopping_criteria, generation_config)
-        if not positional:  # EOS, length and time only: the loop already stops exactly
-            return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                     synced_gpus, streamer, inputs_tensor=inputs_tensor,
-                                     assistant_model=assistant_model, **model_kwargs)
-        prompt_len = input_ids.shape[1]
-        deferred = DeferredStreamer(streamer) if streamer is not None else None
-        exact = ExactStopping(stopping_criteria, positional, prompt_len, deferred)
-        output = original_assisted(self, input_ids, logits_processor, StoppingCriteriaList([exact]),
-                                   generation_config, synced_gpus, deferred, inputs_tensor=inputs_tensor,
-                                   assistant_model=assistant_model, **model_kwargs)
-        if exact.stop_length is None:
-            return output
-        return cut_output(output, exact.stop_length, prompt_len)
 
-    @functools.wraps(original_assisted)
+def wrap_assisted_decoding(original):
+    """``_assisted_decoding``: with a DSpark draft, batch size 1 runs transformers' loop with exact
+    stopping (:func:`_decode_one`), batch size > 1 runs :func:`dspark_hf.batched.batched_dspark_generate`
+    instead of transformers' refusal (:func:`_decode_batch`)."""
+
+    @functools.wraps(original)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
                            synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None, **model_kwargs):
         draft = _as_dspark_draft(assistant_model)
         if draft is None:
-            return original_assisted(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                     synced_gpus, streamer, inputs_tensor=inputs_tensor,
-                                     assistant_model=assistant_model, **model_kwargs)
-        if not generation_config.use_cache:
-            raise ValueError(
-                "DSpark generation verifies drafts against the target's KV cache, but use_cache=False was passed. "
-                "Drop use_cache=False (or set use_cache=True) when passing a DSpark assistant_model."
-            )
-        _check_inputs_embeds(input_ids, model_kwargs)
+            return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                            streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model, **model_kwargs)
+        _check_dspark_call(self, input_ids, generation_config, model_kwargs)
         if input_ids.shape[0] == 1:
-            _check_attention_outputs(self, generation_config)
-            return _assisted_decoding_exact_stops(self, input_ids, logits_processor, stopping_criteria,
-                                                  generation_config, synced_gpus, streamer, inputs_tensor,
-                                                  assistant_model, model_kwargs)
-        from .batched import batched_dspark_generate, check_batched_support
+            return _decode_one(original, self, input_ids, logits_processor, stopping_criteria, generation_config,
+                               synced_gpus, streamer, inputs_tensor, assistant_model, model_kwargs)
+        return _decode_batch(self, draft, input_ids, logits_processor, stopping_criteria, generation_config,
+                             streamer, model_kwargs)
 
-        check_batched_support(logits_processor, generation_config, streamer)
-        sequences = batched_dspark_generate(self, draft, input_ids, model_kwargs.get("attention_mask"),
-                                            logits_processor, generation_config, stopping_criteria)
-        if generation_config.return_dict_in_generate:
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
+    return _assisted_decoding
 
-            return GenerateDecoderOnlyOutput(sequences=sequences)
-        return sequences
 
-    for wrapper, wrapped in ((_get_candidate_generator, original), (_validate_generation_mode, original_validate),
-                             (_assisted_decoding, original_assisted), (_prepare_generation_config, original_prepare)):
+def _check_dspark_call(target, input_ids, generation_config, model_kwargs: dict) -> None:
+    """Refuses what DSpark decoding cannot run exactly: no KV cache, some ``inputs_embeds``
+    prompts, attention outputs without eager attention (batch size 1)."""
+    if not generation_config.use_cache:
+        raise ValueError(
+            "DSpark generation verifies drafts against the target's KV cache, but use_cache=False was passed. "
+            "Drop use_cache=False (or set use_cache=True) when passing a DSpark assistant_model."
+        )
+    _check_inputs_embeds(input_ids, model_kwargs)
+    if input_ids.shape[0] == 1:
+        _check_attention_outputs(target, generation_config)
+
+
+def _decode_one(original, target, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                streamer, inputs_tensor, assistant_model, model_kwargs: dict):
+    """Batch size 1: transformers' assisted loop with :class:`DSparkCandidateGenerator`. Its loop
+    checks the stopping criteria only on the end of each accepted block; this checks every
+    position a round added, ends the loop at the first that fires and cuts the output there."""
+    positional = positional_criteria(stopping_criteria, generation_config)
+    if not positional:  # EOS, length and time only: the loop already stops exactly
+        return original(target, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                        streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model, **model_kwargs)
+    prompt_len = input_ids.shape[1]
+    deferred = DeferredStreamer(streamer) if streamer is not None else None
+    exact = ExactStopping(stopping_criteria, positional, prompt_len, deferred)
+    output = original(target, input_ids, logits_processor, StoppingCriteriaList([exact]), generation_config,
+                      synced_gpus, deferred, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
+                      **model_kwargs)
+    if exact.stop_length is None:
+        return output
+    return cut_output(output, exact.stop_length, prompt_len)
+
+
+def _decode_batch(target, draft, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                  model_kwargs: dict):
+    """Batch size > 1: DSpark's own batched loop; the output has the shape plain ``generate`` gives."""
+    from .batched import batched_dspark_generate, check_batched_support
+
+    check_batched_support(logits_processor, generation_config, streamer)
+    sequences = batched_dspark_generate(target, draft, input_ids, model_kwargs.get("attention_mask"),
+                                        logits_processor, generation_config, stopping_criteria)
+    if generation_config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+# The GenerationMixin methods the dispatch wraps, each with the function that wraps it.
+_WRAPPERS = (
+    ("_prepare_generation_config", wrap_prepare_generation_config),
+    ("_validate_generation_mode", wrap_validate_generation_mode),
+    ("_get_candidate_generator", wrap_get_candidate_generator),
+    ("_assisted_decoding", wrap_assisted_decoding),
+)
+
+
+def install_dspark_dispatch() -> None:
+    """Installs the DSpark dispatch into transformers' generation (idempotent; run on import).
+
+    Four private methods of ``GenerationMixin`` are wrapped, each by its ``wrap_*`` function above;
+    a method already wrapped is left alone, and each wrapper keeps the original in
+    ``__wrapped_original__``.
+    """
+    pending = [(name, wrap) for name, wrap in _WRAPPERS if not getattr(getattr(GenerationMixin, name), _MARKER, False)]
+    if not pending:
+        return
+    _check_transformers_api()
+    for name, wrap in pending:
+        original = getattr(GenerationMixin, name)
+        wrapper = wrap(original)
         setattr(wrapper, _MARKER, True)
-        wrapper.__wrapped_original__ = wrapped
-    GenerationMixin._validate_generation_mode = _validate_generation_mode
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
-    GenerationMixin._assisted_decoding = _assisted_decoding
-    GenerationMixin._prepare_generation_config = _prepare_generation_config
+        wrapper.__wrapped_original__ = original
+        setattr(GenerationMixin, name, wrapper)
 
 
 def is_dspark_dispatch_installed() -> bool:
-    return bool(getattr(GenerationMixin._get_candidate_generator, _MARKER, False))
+    """Whether every method the dispatch wraps is wrapped."""
+    return all(getattr(getattr(GenerationMixin, name), _MARKER, False) for name, _ in _WRAPPERS)
 
 
 __all__ = ["install_dspark_dispatch", "is_dspark_dispatch_installed"]
