@@ -20,6 +20,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .configuration_dspark import is_dspark_config
 from .settings import dspark_kwargs_of_call, mark_call_settings, refuse_lossy_settings
+from .step_rates import profile_rewrites_per_call
 from .stopping import DeferredStreamer, ExactStopping, cut_output, positional_criteria
 
 _EXPECTED_PARAMETERS = (
@@ -176,7 +177,8 @@ def wrap_get_candidate_generator(original):
 def wrap_assisted_decoding(original):
     """``_assisted_decoding``: with a DSpark draft, batch size 1 runs transformers' loop with exact
     stopping (:func:`_decode_one`), batch size > 1 runs :func:`dspark_hf.batched.batched_dspark_generate`
-    instead of transformers' refusal (:func:`_decode_batch`)."""
+    instead of transformers' refusal (:func:`_decode_batch`); both inside one
+    :func:`~dspark_hf.step_rates.profile_rewrites_per_call` scope (the call)."""
 
     @functools.wraps(original)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -186,11 +188,13 @@ def wrap_assisted_decoding(original):
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                             streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model, **model_kwargs)
         _check_dspark_call(self, input_ids, generation_config, model_kwargs)
-        if input_ids.shape[0] == 1:
-            return _decode_one(original, self, input_ids, logits_processor, stopping_criteria, generation_config,
-                               synced_gpus, streamer, inputs_tensor, assistant_model, model_kwargs)
-        return _decode_batch(self, draft, input_ids, logits_processor, stopping_criteria, generation_config,
-                             streamer, model_kwargs)
+        # A drifting live cost model rewrites its cache file once, when this call ends.
+        with profile_rewrites_per_call():
+            if input_ids.shape[0] == 1:
+                return _decode_one(original, self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                   synced_gpus, streamer, inputs_tensor, assistant_model, model_kwargs)
+            return _decode_batch(self, draft, input_ids, logits_processor, stopping_criteria, generation_config,
+                                 streamer, model_kwargs)
 
     return _assisted_decoding
 

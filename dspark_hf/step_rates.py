@@ -10,6 +10,7 @@ and process, built from the longest cached profile and corrected by the rounds' 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -20,7 +21,7 @@ import statistics
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "fitted_context_length",
     "load_sps_profile",
     "max_positions",
+    "profile_rewrites_per_call",
     "profile_sps",
     "shared_cost_model",
     "sps_cache_key",
@@ -482,22 +484,67 @@ def _longest_cached_profile(directory: Path, base_key: str) -> tuple[list[float]
     return None
 
 
-def _rewrite_profile_on_drift(path: Path, record: dict) -> Callable[[StepCostModel], None]:
-    def on_drift(cost_model: StepCostModel) -> None:
-        length = cost_model.prior_length
-        logger.warning(
-            "The target's live step times differ from its profiled SPS table by up to x%.2f after %d rounds "
+_drift_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # targets whose drift was logged as a warning
+_call_scope = threading.local()  # .pending: {_ProfileDrift: StepCostModel} while a generate call runs
+
+
+class _ProfileDrift:
+    """What a shared cost model does when its live times drift from the profile (its ``on_drift``).
+
+    The first report for a target is a warning; later ones, in any call of this process, are
+    debug messages (a model whose times wander around a threshold would otherwise warn on every
+    crossing). Inside a generate call (:func:`profile_rewrites_per_call`) the cache file is
+    rewritten once, when the call ends, with the latest live estimate; outside one, at once.
+    """
+
+    def __init__(self, target: torch.nn.Module, path: Path, record: dict) -> None:
+        self._target = weakref.ref(target)
+        self.path, self.record = path, record
+
+    def __call__(self, cost_model: StepCostModel) -> None:
+        target = self._target()
+        with _shared_lock:
+            first = target is not None and target not in _drift_warned
+            if first:
+                _drift_warned.add(target)
+        log = logger.warning if first else logger.debug
+        log("The target's live step times differ from its profiled SPS table by up to x%.2f after %d rounds "
             "(a profile taken under load, at another context length or on another machine state); the "
-            "scheduler uses the live times, and the cache file %s is updated with them.",
-            cost_model.drift(), cost_model.num_observations, path,
-        )
-        updated = dict(record)
+            "scheduler uses the live times, and the cache file %s is updated with them (once per generate "
+            "call; later drift is logged at debug level).",
+            cost_model.drift(), cost_model.num_observations, self.path)
+        pending = getattr(_call_scope, "pending", None)
+        if pending is None:
+            self.rewrite(cost_model)
+        else:
+            pending[self] = cost_model
+
+    def rewrite(self, cost_model: StepCostModel) -> None:
+        """Writes the live estimate into the cache file the prior came from."""
+        length = cost_model.prior_length
+        updated = dict(self.record)
         updated["fitted_step_seconds"] = cost_model.step_seconds(length)
         updated["sps"] = list(cost_model.sps(length))
         updated["live_corrected"] = {"observations": cost_model.num_observations, "updated_unix": time.time()}
-        _write_record(path, updated)
+        _write_record(self.path, updated)
 
-    return on_drift
+
+@contextlib.contextmanager
+def profile_rewrites_per_call() -> Iterator[None]:
+    """Scope of one generate call (the dispatch runs every DSpark call in it): drift reports of the
+    shared cost models mark their cache file, and each marked file is rewritten once when the call
+    ends. Nested scopes belong to the outermost. Thread-local, as cost-model observations are made
+    by the thread running the call."""
+    if getattr(_call_scope, "pending", None) is not None:
+        yield
+        return
+    _call_scope.pending = {}
+    try:
+        yield
+    finally:
+        pending, _call_scope.pending = _call_scope.pending, None
+        for drift, cost_model in pending.items():
+            drift.rewrite(cost_model)
 
 
 def shared_cost_model(
@@ -515,7 +562,8 @@ def shared_cost_model(
     fresh profile of ``profile_tokens`` tokens (a few seconds). Larger verify forwards (batched
     decoding) are not profiled again: the table is extrapolated beyond its end and the observed
     verify times correct it. When the live times drift far from the profile, a warning is logged
-    and the cache file is rewritten with the live estimate. On a target with few positions
+    (once per target and process) and the cache file is rewritten with the live estimate (once
+    per generate call, see :func:`profile_rewrites_per_call`). On a target with few positions
     (:func:`max_positions`), the profile is shortened to fit them: at most half of them new
     tokens, the context the rest.
     """
@@ -543,6 +591,6 @@ def shared_cost_model(
                 record = json.load(f)
         except (OSError, ValueError, RecursionError):
             record = {"sps": sps}
-        cost_model = StepCostModel([1.0 / rate for rate in sps], on_drift=_rewrite_profile_on_drift(path, record))
+        cost_model = StepCostModel([1.0 / rate for rate in sps], on_drift=_ProfileDrift(model, path, record))
         per_model[base_key] = cost_model
         return cost_model

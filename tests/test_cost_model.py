@@ -164,3 +164,39 @@ def test_profile_command_writes_the_table_the_default_scheduler_then_reads(tmp_p
     monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: pytest.fail("profiled again"))
     model = shared_cost_model(served, cache_dir=tmp_path)
     assert model.prior_length == 24
+
+
+class SwingingTimes(PrefixScheduler):
+    """Reports verify times alternately as measured and 50x slower, switching every 12 rounds: the
+    live estimate moves far from what it last reported again and again (a forced drift)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.rounds = 0
+
+    def observe_verify(self, num_tokens, seconds):
+        self.rounds += 1
+        super().observe_verify(num_tokens, seconds * (50.0 if self.rounds // 12 % 2 else 1.0))
+
+
+def test_drift_warns_once_per_target_and_rewrites_the_cache_once_per_call(tmp_path, monkeypatch, caplog):
+    target, draft = _pair()
+    path = tmp_path / "sps" / f"{sps_cache_key(target, 8)}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"sps": [1 / 10.0] * 8}))  # 10 s per step: drifts from the first rounds on
+    model = shared_cost_model(target, cache_dir=tmp_path)
+    draft.generation_config.dspark_verify_policy = SwingingTimes(cost_model=model, max_tokens=5)
+    writes = []
+    write = step_rates_module._write_record
+    monkeypatch.setattr(step_rates_module, "_write_record", lambda where, record: writes.append(where) or write(where, record))
+    calls = 3
+    with caplog.at_level(logging.DEBUG, logger="dspark_hf.step_rates"):
+        for _ in range(calls):  # at most 2 tokens a round: 30+ rounds a call
+            target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft,
+                            num_assistant_tokens=1)
+    reports = [r for r in caplog.records if "differ from its profiled SPS table" in r.getMessage()]
+    assert len(reports) > calls, "the forced drift should be reported several times per call"
+    assert [r.levelno for r in reports].count(logging.WARNING) == 1  # once per target and process
+    assert all(r.levelno == logging.DEBUG for r in reports[1:])
+    assert 1 <= len(writes) <= calls and set(writes) == {path}  # at most once per generate call
+    assert json.loads(path.read_text())["live_corrected"]["observations"] == model.num_observations
