@@ -465,7 +465,9 @@ class RoundDecisions:
             capped = torch.tensor([min(k, n) for k, n in zip(admitted, usable)], device=device)
             return cut_after_first_eos(sample.tokens, capped, self.eos_token_ids).tolist(), usable
         finite = sample.finite_lengths()
-        capped = torch.minimum(finite, torch.tensor(admitted, device=finite.device))
+        # One row (the serial loop decided): a clamp, no host-to-device copy of the length.
+        capped = (finite.clamp(max=admitted[0]) if len(admitted) == 1
+                  else torch.minimum(finite, finite.new_tensor(admitted)))
         cut = cut_after_first_eos(sample.tokens, capped, self.eos_token_ids)
         both = torch.cat([finite, cut.to(finite)]).tolist()
         return both[len(admitted):], both[: len(admitted)]
