@@ -4,21 +4,21 @@ After ``import dspark_hf``, ``target.generate(**inputs, assistant_model=draft)``
 :class:`DSparkDraftModel` runs DSpark decoding (greedy or sampling, output unchanged).
 """
 
-from .auto_classes import register_auto_classes
-from .candidate_generator import DSparkCandidateGenerator
-from .checkpoint_formats import checkpoint_format
-from .configuration_dspark import DSparkConfig, is_dspark_config
-from .cost_model import StepCostModel
-from .cpu_fast_path import optimize_for_cpu
+from .model.auto_classes import register_auto_classes
+from .decoding.candidate_generator import DSparkCandidateGenerator
+from .model.checkpoint_formats import checkpoint_format
+from .model.configuration_dspark import DSparkConfig, is_dspark_config
+from .scheduling.cost_model import StepCostModel
+from .kernels.cpu_fast_path import optimize_for_cpu
 # Hub tooling re-exported for users: the package facade, not the decoding path (docs/architecture.md)
 from .hub import export, push_to_hub, render_model_card
-from .integration import install_dspark_dispatch, is_dspark_dispatch_installed
-from .modeling_dspark import DSparkDraftModel, default_target_layer_ids
-from .sampling import SerialSample, serial_sample
-from .drafting_gate import DraftingGate
-from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
-from .rounds import DSparkGenerationStats, RoundStats
-from .step_rates import profile_sps, shared_cost_model
+from .decoding.integration import install_dspark_dispatch, is_dspark_dispatch_installed
+from .model.modeling_dspark import DSparkDraftModel, default_target_layer_ids
+from .decoding.sampling import SerialSample, serial_sample
+from .scheduling.drafting_gate import DraftingGate
+from .scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from .decoding.rounds import DSparkGenerationStats, RoundStats
+from .scheduling.step_rates import profile_sps, shared_cost_model
 
 __version__ = "0.1.0"
 

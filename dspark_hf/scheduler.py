@@ -3,20 +3,20 @@
 Kept so that ``from dspark_hf.scheduler import ...`` goes on working; new code imports from where
 each piece lives now:
 
-* :mod:`dspark_hf.policies`: ``VerifyPolicy``, ``PrefixScheduler``, ``FixedLengthPolicy``,
+* :mod:`dspark_hf.scheduling.policies`: ``VerifyPolicy``, ``PrefixScheduler``, ``FixedLengthPolicy``,
   ``ThresholdPolicy``, ``PerPositionThresholdPolicy``;
-* :mod:`dspark_hf.drafting_gate`: ``DraftingGate``;
-* :mod:`dspark_hf.step_rates`: ``profile_sps``, ``load_sps_profile``, ``sps_cache_key``,
+* :mod:`dspark_hf.scheduling.drafting_gate`: ``DraftingGate``;
+* :mod:`dspark_hf.scheduling.step_rates`: ``profile_sps``, ``load_sps_profile``, ``sps_cache_key``,
   ``shared_cost_model``;
-* :mod:`dspark_hf.cost_model`: ``StepCostModel``, ``monotone_step_times``;
+* :mod:`dspark_hf.scheduling.cost_model`: ``StepCostModel``, ``monotone_step_times``;
 * :mod:`dspark_hf.cache_dir`: ``default_cache_dir``.
 """
 
 from .cache_dir import default_cache_dir
-from .cost_model import StepCostModel, monotone_step_times
-from .drafting_gate import DraftingGate
-from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
-from .step_rates import load_sps_profile, profile_sps, shared_cost_model, sps_cache_key
+from .scheduling.cost_model import StepCostModel, monotone_step_times
+from .scheduling.drafting_gate import DraftingGate
+from .scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from .scheduling.step_rates import load_sps_profile, profile_sps, shared_cost_model, sps_cache_key
 
 __all__ = [
     "default_cache_dir",

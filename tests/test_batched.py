@@ -7,7 +7,7 @@ import torch
 from transformers import pipeline
 from transformers.generation.streamers import BaseStreamer
 
-import dspark_hf.batched as batched
+import dspark_hf.decoding.batched as batched
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
 from generation_helpers import left_pad
 from test_lossless_sampling import CONFIDENCE_LOGITS, DRAFT_PROBS, SPS, TARGET_PROBS, AnticipatingScheduler, _log

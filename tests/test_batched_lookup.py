@@ -10,12 +10,12 @@ work batched too.
 import pytest
 import torch
 
-import dspark_hf.batched as batched
+import dspark_hf.decoding.batched as batched
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
-from dspark_hf.context_lookup import ContextLookup
-from dspark_hf.policies import offer_until_refused
-from dspark_hf.rounds import cut_after_first_eos
-from dspark_hf.sampling import SerialSample
+from dspark_hf.decoding.context_lookup import ContextLookup
+from dspark_hf.scheduling.policies import offer_until_refused
+from dspark_hf.decoding.rounds import cut_after_first_eos
+from dspark_hf.decoding.sampling import SerialSample
 from generation_helpers import left_pad
 from test_batched import BATCH_SPS, _batched_p_values
 from test_context_lookup import EagerChooser

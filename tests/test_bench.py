@@ -9,7 +9,7 @@ from dspark_hf import DSparkDraftModel
 from dspark_hf.benchmarks import bench_cli as bench
 from dspark_hf.benchmarks.runner import RunRecord
 from dspark_hf.benchmarks.summary import markdown_table, summarize
-from dspark_hf.rounds import RoundStats
+from dspark_hf.decoding.rounds import RoundStats
 from tiny_models import random_target, tiny_tokenizer
 
 

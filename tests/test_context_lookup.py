@@ -5,9 +5,9 @@ peeks at the draft's tokens is detected)."""
 import pytest
 import torch
 
-import dspark_hf.candidate_generator as candidate_generator
+import dspark_hf.decoding.candidate_generator as candidate_generator
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
-from dspark_hf.context_lookup import ContextLookup, SourceChooser, expected_value
+from dspark_hf.decoding.context_lookup import ContextLookup, SourceChooser, expected_value
 from test_lossless_sampling import SPS, _chi_square_p_value
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table
 
@@ -150,7 +150,7 @@ def test_a_choice_that_peeks_at_draft_tokens_is_detected(monkeypatch):
 
 
 def test_statistics_count_lookup_rounds_longer_than_the_block():
-    from dspark_hf.rounds import DSparkGenerationStats, RoundStats
+    from dspark_hf.decoding.rounds import DSparkGenerationStats, RoundStats
 
     stats = DSparkGenerationStats(block_size=3)
     stats.rounds.append(RoundStats(2, 1, 0.0, 0.0, 0.0, 0.0))

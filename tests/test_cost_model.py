@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-import dspark_hf.step_rates as step_rates_module
+import dspark_hf.scheduling.step_rates as step_rates_module
 from dspark_hf import FixedLengthPolicy, PrefixScheduler, StepCostModel, shared_cost_model
-from dspark_hf.step_rates import sps_cache_key
+from dspark_hf.scheduling.step_rates import sps_cache_key
 from tiny_models import markov_draft, random_target, target_next_token_table
 
 TRUE_SECONDS = [0.050, 0.056, 0.052, 0.053, 0.054, 0.056, 0.058, 0.060]  # a flat CPU curve (ms-level noise)
@@ -136,7 +136,7 @@ def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):
     model = shared_cost_model(target, cache_dir=tmp_path)
     assert model.prior(1) == pytest.approx(10.0)
     draft.generation_config.dspark_verify_policy = PrefixScheduler(cost_model=model, max_tokens=5)
-    with caplog.at_level(logging.WARNING, logger="dspark_hf.step_rates"):
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.scheduling.step_rates"):
         target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft)
     assert "differ from its profiled SPS table" in caplog.text and str(path) in caplog.text
     rewritten = json.loads(path.read_text())
@@ -190,7 +190,7 @@ def test_drift_warns_once_per_target_and_rewrites_the_cache_once_per_call(tmp_pa
     write = step_rates_module._write_record
     monkeypatch.setattr(step_rates_module, "_write_record", lambda where, record: writes.append(where) or write(where, record))
     calls = 3
-    with caplog.at_level(logging.DEBUG, logger="dspark_hf.step_rates"):
+    with caplog.at_level(logging.DEBUG, logger="dspark_hf.scheduling.step_rates"):
         for _ in range(calls):  # at most 2 tokens a round: 30+ rounds a call
             target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft,
                             num_assistant_tokens=1)

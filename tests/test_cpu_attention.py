@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import dspark_hf.cpu_attention as cpu_attention
+import dspark_hf.kernels.cpu_attention as cpu_attention
 from dspark_hf import DSparkDraftModel, optimize_for_cpu
-from dspark_hf.cpu_attention import CPU_GQA_ATTENTION, use_cpu_gqa_attention
+from dspark_hf.kernels.cpu_attention import CPU_GQA_ATTENTION, use_cpu_gqa_attention
 from tiny_models import random_target
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import dspark_hf.cpu_fast_path as fast_path
+import dspark_hf.kernels.cpu_fast_path as fast_path
 from dspark_hf import FixedLengthPolicy, optimize_for_cpu
-from dspark_hf.cpu_fast_path import PackedLinear, is_optimized_for_cpu
+from dspark_hf.kernels.cpu_fast_path import PackedLinear, is_optimized_for_cpu
 from tiny_models import markov_draft, random_target, reload_half_on_disk, target_next_token_table
 
 pytestmark = pytest.mark.skipif(fast_path.fast_path_unavailable_reason() is not None,
@@ -102,7 +102,7 @@ def test_autograd_uses_the_stock_path():
 
 def test_unhandled_dtypes_are_left_alone_and_logged(caplog):
     model = random_target("llama").to(torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="dspark_hf.cpu_fast_path"):
+    with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
         optimize_for_cpu(model, packed_min_rows=1)
     assert _count_packed(model) == 0
     assert "dtype torch.bfloat16" in caplog.text
@@ -116,7 +116,7 @@ def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
     reason = fast_path.fast_path_unavailable_reason()
     assert reason is not None and "different from F.linear" in reason
     model = random_target("llama")
-    with caplog.at_level(logging.WARNING, logger="dspark_hf.cpu_fast_path"):
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.kernels.cpu_fast_path"):
         optimize_for_cpu(model, packed_min_rows=1)
     assert _count_packed(model) == 0
     assert "keeping the stock linear layers" in caplog.text
@@ -147,7 +147,7 @@ def test_rejects_non_modules():
 
 
 def test_rows_below_the_crossover_keep_the_stock_kernel(monkeypatch):
-    import dspark_hf.cpu_fast_path as fast_path
+    import dspark_hf.kernels.cpu_fast_path as fast_path
 
     calls = []
     real = fast_path._packed_linear
@@ -163,7 +163,7 @@ def test_rows_below_the_crossover_keep_the_stock_kernel(monkeypatch):
 
 
 def test_measured_crossover_is_cached_per_shape_and_bounded():
-    from dspark_hf.cpu_fast_path import _measured_min_rows, measure_packed_min_rows
+    from dspark_hf.kernels.cpu_fast_path import _measured_min_rows, measure_packed_min_rows
 
     weight = torch.randn(40, 24)
     rows = measure_packed_min_rows(weight)

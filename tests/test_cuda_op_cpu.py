@@ -33,7 +33,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, 
 
 import dspark_hf
 from dspark_hf import cuda_graphs, cuda_ops
-from dspark_hf.sampling import SerialSample, inverse_cdf_sample, serial_sample
+from dspark_hf.decoding.sampling import SerialSample, inverse_cdf_sample, serial_sample
 from cuda_op_fakes import pretend_cuda_op_is_built
 
 CSRC = Path(cuda_ops.__file__).parent / "csrc"
@@ -664,7 +664,7 @@ def test_a_nan_confidence_on_the_op_path_is_warned_about(emulated_cuda, monkeypa
     c_1 every round (plain steps, output unchanged), and the NaN reaches the non-finite warning
     through ``SerialSample.offered``, which the op path sets as the reference loop does."""
     from dspark_hf import DSparkDraftModel, PrefixScheduler
-    from dspark_hf.serial_block import NON_FINITE_DRAFT_WARNING
+    from dspark_hf.decoding.serial_block import NON_FINITE_DRAFT_WARNING
     from tiny_models import random_target
 
     admitted_calls = []

@@ -1,4 +1,4 @@
-"""A reduced draft vocabulary (dspark_hf.draft_vocab): checkpoint round trip and broken checkpoints,
+"""A reduced draft vocabulary (dspark_hf.model.draft_vocab): checkpoint round trip and broken checkpoints,
 lossless drafting (greedy and sampled, with a power check), the exact TV identity of the training
 loss, the CUDA op's path (kernels emulated on CPU), Hub export and a remote-code load, training."""
 
@@ -14,8 +14,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler
-from dspark_hf.cpu_fast_path import PackedLinear
-from dspark_hf.draft_vocab import check_draft_vocab_ids, gathered_head, scatter_to_vocab
+from dspark_hf.kernels.cpu_fast_path import PackedLinear
+from dspark_hf.model.draft_vocab import check_draft_vocab_ids, gathered_head, scatter_to_vocab
 from dspark_hf.training.draft_vocab_training import (
     coverage,
     coverage_table,
@@ -24,7 +24,7 @@ from dspark_hf.training.draft_vocab_training import (
     token_counts,
 )
 from dspark_hf.hub import export, render_model_card
-from dspark_hf.sampling import serial_sample
+from dspark_hf.decoding.sampling import serial_sample
 from dspark_hf.training.trainer import (
     TrainingConfig,
     build_feature_cache,
@@ -211,7 +211,7 @@ def test_sampling_with_a_reduced_draft_follows_the_target_and_a_misreported_q_is
     assert sum(scheduled[1:]) > 0, "the scheduler never verified a drafted token"
     assert p_value > 1e-3, f"a reduced draft deviates from the target distribution (p={p_value:.2e})"
 
-    real = dspark_hf.candidate_generator.serial_sample
+    real = dspark_hf.decoding.candidate_generator.serial_sample
 
     def misreported(*args, **kwargs):
         sample = real(*args, **kwargs)
@@ -220,7 +220,7 @@ def test_sampling_with_a_reduced_draft_follows_the_target_and_a_misreported_q_is
         sample.logits = torch.where(torch.isinf(sample.logits), row_max - 1.0, sample.logits)
         return sample
 
-    monkeypatch.setattr(dspark_hf.candidate_generator, "serial_sample", misreported)
+    monkeypatch.setattr(dspark_hf.decoding.candidate_generator, "serial_sample", misreported)
     p_value, _ = _chi_square_p_value(PrefixScheduler(SPS), draft_factory=factory)
     assert p_value < 1e-5, f"the test failed to detect a misreported draft distribution (p={p_value:.2e})"
 

@@ -9,7 +9,7 @@ import torch
 from dspark_hf.benchmarks.evaluation import left_padded, measure_acceptance
 from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
 from dspark_hf.benchmarks.summary import merge_stats
-from dspark_hf.rounds import DSparkGenerationStats, RoundStats
+from dspark_hf.decoding.rounds import DSparkGenerationStats, RoundStats
 from tiny_models import bigram_target, markov_draft, tiny_tokenizer
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers as T
 
-import dspark_hf.batched as batched
+import dspark_hf.decoding.batched as batched
 from dspark_hf import DSparkDraftModel, FixedLengthPolicy
 from tiny_models import markov_draft
 

@@ -178,7 +178,7 @@ class AlternatingGate:
 
 
 def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
-    import dspark_hf.settings as settings
+    import dspark_hf.decoding.settings as settings
 
     monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None: AlternatingGate())
     target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
@@ -195,7 +195,7 @@ def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
 
 def test_adaptive_drafting_setting():
     from dspark_hf import DraftingGate, ThresholdPolicy
-    from dspark_hf.settings import resolve_drafting_gate
+    from dspark_hf.decoding.settings import resolve_drafting_gate
 
     target, draft = _target_and_draft("llama", confidence_logits=torch.zeros(VOCAB))
     assert resolve_drafting_gate(draft, PrefixScheduler([1.0, 0.5])) is not None

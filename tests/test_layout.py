@@ -1,8 +1,9 @@
 """The package's shape: runtime apart from tooling, no import cycles, no oversized modules, and
 names imported from where they live rather than from compatibility shims.
 
-Runtime is every module at the top of ``dspark_hf/`` (the decoding path); tooling is the
-``training``, ``benchmarks`` and ``hub`` subpackages. Imports are read with ``ast`` from the
+Runtime is the decoding path: the ``model``, ``decoding``, ``scheduling`` and ``kernels``
+subpackages and the few modules at the top of ``dspark_hf/``; tooling is the ``training``,
+``benchmarks`` and ``hub`` subpackages. Imports are read with ``ast`` from the
 source, including imports inside functions; imports under ``if TYPE_CHECKING:`` are for
 annotations only and never run, and those under ``if __name__ == "__main__":`` run only when the
 file is the program (as the module ``__main__``, never when it is imported), so both are left out.
@@ -21,7 +22,7 @@ MAX_LINES = 600
 # Runtime -> tooling imports that are deliberate entry points for users, with the reason.
 ALLOWED_TOOLING_IMPORTS = {
     ("dspark_hf", "dspark_hf.hub"): "the package facade re-exports export, push_to_hub and render_model_card",
-    ("dspark_hf.modeling_dspark", "dspark_hf.hub.draft_export"):
+    ("dspark_hf.model.modeling_dspark", "dspark_hf.hub.draft_export"):
         "DSparkDraftModel.push_to_hub (transformers' method on the model) delegates to the Hub exporter",
 }
 # Top-level modules that are command-line entry points rather than the decoding path.
@@ -35,19 +36,25 @@ HELPERS = {
 SHIMS = {
     "dspark_hf.scheduler": "policies, drafting gate, step rates, cost model and cache dir moved out of it",
     "dspark_hf.training.smollm2": "the demo target moved to dspark_hf.demo_target",
+    "dspark_hf.modeling_dspark": "public path of dspark_hf.model.modeling_dspark (Hub remote code imports it)",
+    "dspark_hf.configuration_dspark": "public path of dspark_hf.model.configuration_dspark (Hub remote code)",
+    "dspark_hf.custom_generate": "public path of dspark_hf.decoding.custom_generate (Hub custom_generate files)",
 }
+# Where runtime modules live: one subpackage per idea; only these stay at the top of the package.
+RUNTIME_GROUPS = ("dspark_hf.model", "dspark_hf.decoding", "dspark_hf.scheduling", "dspark_hf.kernels")
+TOP_LEVEL = {"dspark_hf", "dspark_hf.cache_dir", "dspark_hf.cli", "dspark_hf.demo_target", "dspark_hf.chat_text"}
 # Names a runtime module still re-exports for old code: imported from their home everywhere else.
-MOVED_NAMES = {("dspark_hf.candidate_generator", "RoundStats"): "dspark_hf.rounds",
-               ("dspark_hf.candidate_generator", "DSparkGenerationStats"): "dspark_hf.rounds",
-               ("dspark_hf.settings", "DraftRuntimeSettings"): "dspark_hf.draft_runtime",
-               ("dspark_hf.settings", "record_generation_stats"): "dspark_hf.draft_runtime",
+MOVED_NAMES = {("dspark_hf.decoding.candidate_generator", "RoundStats"): "dspark_hf.decoding.rounds",
+               ("dspark_hf.decoding.candidate_generator", "DSparkGenerationStats"): "dspark_hf.decoding.rounds",
+               ("dspark_hf.decoding.settings", "DraftRuntimeSettings"): "dspark_hf.model.draft_runtime",
+               ("dspark_hf.decoding.settings", "record_generation_stats"): "dspark_hf.model.draft_runtime",
                **{("dspark_hf.training.data", name): "dspark_hf.chat_text"
                   for name in ("chat_prompt_ids", "encode_prompt", "has_chat_template", "trim_after_eos")}}
 REPO = PACKAGE_DIR.parent
 # The scheduling stack: how much is drafted and verified, and the round around it. The model sits
-# below it (its run-time state lives in dspark_hf.draft_runtime), so loading a draft loads none of it.
-SCHEDULING_STACK = ("dspark_hf.settings", "dspark_hf.policies", "dspark_hf.step_rates", "dspark_hf.cost_model",
-                    "dspark_hf.drafting_gate", "dspark_hf.context_lookup", "dspark_hf.rounds")
+# below it (its run-time state lives in dspark_hf.model.draft_runtime), so loading a draft loads none of it.
+SCHEDULING_STACK = ("dspark_hf.decoding.settings", "dspark_hf.scheduling.policies", "dspark_hf.scheduling.step_rates", "dspark_hf.scheduling.cost_model",
+                    "dspark_hf.scheduling.drafting_gate", "dspark_hf.decoding.context_lookup", "dspark_hf.decoding.rounds")
 
 
 # ----------------------------------------------------------------------------- reading the tree
@@ -217,13 +224,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # ------------------------------------------------------------------------------------- the tests
 def test_the_graph_sees_the_package():
-    assert {"dspark_hf", "dspark_hf.modeling_dspark", "dspark_hf.training.trainer", "dspark_hf.benchmarks.bench_cli",
+    assert {"dspark_hf", "dspark_hf.model.modeling_dspark", "dspark_hf.training.trainer", "dspark_hf.benchmarks.bench_cli",
             "dspark_hf.hub.draft_export"} <= set(MODULES)
     assert not any(".templates" in m for m in MODULES)  # copied files, not modules
-    assert "dspark_hf.configuration_dspark" in GRAPH["dspark_hf.modeling_dspark"]
+    assert "dspark_hf.model.configuration_dspark" in GRAPH["dspark_hf.model.modeling_dspark"]
     # function-level imports count; TYPE_CHECKING imports do not
-    assert "dspark_hf.hub.draft_export" in GRAPH["dspark_hf.modeling_dspark"]
-    assert "dspark_hf.modeling_dspark" not in GRAPH["dspark_hf.hub.draft_export"]
+    assert "dspark_hf.hub.draft_export" in GRAPH["dspark_hf.model.modeling_dspark"]
+    assert "dspark_hf.model.modeling_dspark" not in GRAPH["dspark_hf.hub.draft_export"]
     # nor does the import under evaluation.py's __main__ guard (`python -m dspark_hf.benchmarks.evaluation`)
     assert "dspark_hf.benchmarks.evaluation" in GRAPH["dspark_hf.benchmarks.evaluate_cli"]
     assert "dspark_hf.benchmarks.evaluate_cli" not in GRAPH["dspark_hf.benchmarks.evaluation"]
@@ -282,8 +289,8 @@ def test_the_model_sits_below_the_scheduling_stack():
     """``modeling_dspark`` imports nothing from the scheduling stack, directly or through another
     module: the draft's run-time state (statistics, deprecated attributes) is ``draft_runtime``'s."""
     assert all(module in MODULES for module in SCHEDULING_STACK)
-    reached = sorted(_reachable("dspark_hf.modeling_dspark") & set(SCHEDULING_STACK))
-    assert not reached, f"dspark_hf.modeling_dspark reaches the scheduling stack: {reached}"
+    reached = sorted(_reachable("dspark_hf.model.modeling_dspark") & set(SCHEDULING_STACK))
+    assert not reached, f"dspark_hf.model.modeling_dspark reaches the scheduling stack: {reached}"
 
 
 def test_no_package_module_imports_a_compatibility_shim():
@@ -306,7 +313,7 @@ def _python_files() -> list[tuple[str, Path, str | None]]:
 
 
 def test_moved_names_are_imported_from_their_home():
-    """The statistics classes come from ``dspark_hf.rounds``, the chat helpers from
+    """The statistics classes come from ``dspark_hf.decoding.rounds``, the chat helpers from
     ``dspark_hf.chat_text`` and the demo target from ``dspark_hf.demo_target``, in the package and in
     the tests, scripts and examples alike: the former homes re-export them only for code written
     against earlier versions."""
@@ -319,3 +326,12 @@ def test_moved_names_are_imported_from_their_home():
                     and name not in SHIMS:
                 offenders.append(f"{name}: imports dspark_hf.training.smollm2 (use dspark_hf.demo_target)")
     assert not offenders, "names imported from their former home:\n" + "\n".join(offenders)
+
+
+def test_runtime_is_grouped_by_idea():
+    """Every package module is tooling, in one of the runtime subpackages, a shim, or one of the few
+    top-level modules (facade, CLI, cache folder, shared helpers): a new runtime module goes into the
+    subpackage of its idea, not next to the facade."""
+    stray = [m for m in MODULES if not _is_tooling(m) and m not in SHIMS and m not in TOP_LEVEL
+             and not any(m == g or m.startswith(g + ".") for g in RUNTIME_GROUPS)]
+    assert not stray, f"modules outside {RUNTIME_GROUPS}: {stray}"

@@ -66,3 +66,30 @@ def test_both_evaluation_module_paths_run_the_cli(module, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: dspark-hf evaluate") and "--drafts" in result.stdout
     assert "RuntimeWarning" not in result.stderr  # runpy's warning about a module imported twice
+
+
+def test_public_module_paths_are_the_moved_modules_themselves():
+    """Hub remote code and user code import these paths; each is the very module object of its new
+    home, so classes, private helpers and monkeypatching behave as before the move."""
+    import importlib
+
+    import dspark_hf
+    from dspark_hf.decoding import custom_generate
+    from dspark_hf.model import configuration_dspark, modeling_dspark
+
+    for public, home in (("dspark_hf.modeling_dspark", modeling_dspark),
+                         ("dspark_hf.configuration_dspark", configuration_dspark),
+                         ("dspark_hf.custom_generate", custom_generate)):
+        assert importlib.import_module(public) is home
+    from dspark_hf.modeling_dspark import DSparkDraftModel
+    from dspark_hf.configuration_dspark import DSparkConfig
+    from dspark_hf.custom_generate import run_custom_generate
+    from dspark_hf.hub import export, run_custom_generate as hub_run_custom_generate
+    from dspark_hf.scheduler import PrefixScheduler, shared_cost_model
+    from dspark_hf.scheduling.policies import PrefixScheduler as home_scheduler
+
+    assert DSparkDraftModel is dspark_hf.DSparkDraftModel and DSparkConfig is dspark_hf.DSparkConfig
+    assert hub_run_custom_generate is run_custom_generate and export is dspark_hf.export
+    assert PrefixScheduler is home_scheduler and shared_cost_model is dspark_hf.shared_cost_model
+    for name in dspark_hf.__all__:
+        assert getattr(dspark_hf, name) is not None, name

@@ -11,7 +11,7 @@ import torch
 
 from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler, ThresholdPolicy
 from dspark_hf.modeling_dspark import non_finite_parameters
-from dspark_hf.sampling import serial_sample
+from dspark_hf.decoding.sampling import serial_sample
 from dspark_hf.scheduler import VerifyPolicy, profile_sps, sps_cache_key
 from tiny_models import markov_draft, random_target, target_next_token_table
 

@@ -1,4 +1,4 @@
-"""The round contract both generation loops share (``dspark_hf.rounds``): one ``RoundDecisions``
+"""The round contract both generation loops share (``dspark_hf.decoding.rounds``): one ``RoundDecisions``
 decides each row's budget and verified length, at batch size 1 and batched alike."""
 
 import logging
@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from dspark_hf.policies import FixedLengthPolicy, ThresholdPolicy
-from dspark_hf.rounds import DSparkGenerationStats, RoundDecisions
-from dspark_hf.serial_block import NON_FINITE_DRAFT_WARNING, SerialSample
-from dspark_hf.settings import DSparkSettings
+from dspark_hf.scheduling.policies import FixedLengthPolicy, ThresholdPolicy
+from dspark_hf.decoding.rounds import DSparkGenerationStats, RoundDecisions
+from dspark_hf.decoding.serial_block import NON_FINITE_DRAFT_WARNING, SerialSample
+from dspark_hf.decoding.settings import DSparkSettings
 
 EOS = torch.tensor([5])
 

@@ -1,5 +1,5 @@
-"""Tests for the verification policies (dspark_hf.policies), the drafting gate and the SPS profiler
-(dspark_hf.step_rates), and for the dspark_hf.scheduler names kept for compatibility."""
+"""Tests for the verification policies (dspark_hf.scheduling.policies), the drafting gate and the SPS profiler
+(dspark_hf.scheduling.step_rates), and for the dspark_hf.scheduler names kept for compatibility."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dspark_hf.scheduler
-from dspark_hf.cost_model import monotone_step_times
-from dspark_hf.drafting_gate import DraftingGate
-from dspark_hf.policies import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
-from dspark_hf.step_rates import profile_sps, sps_cache_key
+from dspark_hf.scheduling.cost_model import monotone_step_times
+from dspark_hf.scheduling.drafting_gate import DraftingGate
+from dspark_hf.scheduling.policies import FixedLengthPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from dspark_hf.scheduling.step_rates import profile_sps, sps_cache_key
 from generation_helpers import offered_count
 
 
@@ -509,12 +509,12 @@ def test_incremental_offer_matches_admit(policy):
 
 def test_scheduler_module_still_offers_every_name_it_had():
     import dspark_hf.cache_dir
-    import dspark_hf.cost_model
-    import dspark_hf.drafting_gate
-    import dspark_hf.policies
-    import dspark_hf.step_rates
+    import dspark_hf.scheduling.cost_model
+    import dspark_hf.scheduling.drafting_gate
+    import dspark_hf.scheduling.policies
+    import dspark_hf.scheduling.step_rates
 
-    homes = (dspark_hf.policies, dspark_hf.drafting_gate, dspark_hf.step_rates, dspark_hf.cost_model,
+    homes = (dspark_hf.scheduling.policies, dspark_hf.scheduling.drafting_gate, dspark_hf.scheduling.step_rates, dspark_hf.scheduling.cost_model,
              dspark_hf.cache_dir)
     for name in dspark_hf.scheduler.__all__:
         home = next(module for module in homes if name in vars(module))

@@ -1,4 +1,4 @@
-"""Run-time settings come from the draft's generation_config and generate() kwargs (dspark_hf.settings)."""
+"""Run-time settings come from the draft's generation_config and generate() kwargs (dspark_hf.decoding.settings)."""
 
 import threading
 import warnings
@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-import dspark_hf.settings as settings
+import dspark_hf.decoding.settings as settings
 from dspark_hf import (DraftingGate, FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, StepCostModel,
                        ThresholdPolicy, VerifyPolicy)
-from dspark_hf.settings import resolve_drafting_gate, resolve_settings, resolve_verify_policy
+from dspark_hf.decoding.settings import resolve_drafting_gate, resolve_settings, resolve_verify_policy
 from tiny_models import markov_draft, random_target, target_next_token_table
 
 BLOCK = 4

@@ -18,7 +18,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel, checkpoint_format
 from dspark_hf.hub import export
-from dspark_hf.sampling import serial_sample
+from dspark_hf.decoding.sampling import serial_sample
 from dspark_hf import FixedLengthPolicy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators"
@@ -348,7 +348,7 @@ def test_speculators_dflash_is_not_taken_for_zlab():
     raw = json.loads((FIXTURES / "dflash" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"]
     assert checkpoint_format(raw) == "speculators"
-    assert "speculators" in dspark_hf.checkpoint_formats.CHECKPOINT_FORMATS
+    assert "speculators" in dspark_hf.model.checkpoint_formats.CHECKPOINT_FORMATS
 
 
 # ------------------------------------------------------------------------ other ways to load

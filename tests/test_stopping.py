@@ -14,9 +14,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
 
-import dspark_hf.integration as integration
+import dspark_hf.decoding.integration as integration
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
-from dspark_hf.stopping import first_stops
+from dspark_hf.decoding.stopping import first_stops
 from generation_helpers import CollectingStreamer, left_pad
 from test_lossless_sampling import DRAFT_PROBS, TARGET_PROBS, _log
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table, tiny_tokenizer

@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..chat_text import trim_after_eos
-from ..modeling_dspark import DSparkDraftModel
-from ..step_rates import shared_cost_model
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.step_rates import shared_cost_model
 from .evaluation import left_padded
 
 

@@ -50,9 +50,9 @@ from pathlib import Path
 import torch
 
 from ..chat_text import chat_prompt_ids
-from ..cpu_fast_path import optimize_for_cpu
-from ..modeling_dspark import DSparkDraftModel
-from ..step_rates import load_sps_profile
+from ..kernels.cpu_fast_path import optimize_for_cpu
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.step_rates import load_sps_profile
 from .batch_sweep import run_batch_sweep
 from .environment import capture_environment, describe_environment
 from .plots import plot_batch_sweep, write_plots

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling_dspark import DSparkDraftModel
+from ..model.modeling_dspark import DSparkDraftModel
 from .environment import capture_environment
 from .evaluation import measure_acceptance, tau_table
 from .prompt_sets import DATASETS, load_eval_prompts

@@ -18,8 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..chat_text import chat_prompt_ids, trim_after_eos
-from ..modeling_dspark import DSparkDraftModel
-from ..policies import FixedLengthPolicy
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.policies import FixedLengthPolicy
 from .prompt_sets import DATASETS
 from .summary import merge_stats
 

@@ -20,8 +20,8 @@ import argparse
 import torch
 
 from ..cache_dir import default_cache_dir
-from ..cpu_fast_path import optimize_for_cpu
-from ..step_rates import profile_sps, sps_cache_key
+from ..kernels.cpu_fast_path import optimize_for_cpu
+from ..scheduling.step_rates import profile_sps, sps_cache_key
 
 
 def main(argv: list[str] | None = None) -> list[float]:

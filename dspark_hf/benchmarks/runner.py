@@ -14,10 +14,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..modeling_dspark import DSparkDraftModel
-from ..policies import FixedLengthPolicy, ThresholdPolicy
-from ..rounds import RoundStats
-from ..step_rates import shared_cost_model
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.policies import FixedLengthPolicy, ThresholdPolicy
+from ..decoding.rounds import RoundStats
+from ..scheduling.step_rates import shared_cost_model
 
 MODES = ("greedy", "sample")
 

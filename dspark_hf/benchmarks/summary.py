@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..rounds import DSparkGenerationStats
+from ..decoding.rounds import DSparkGenerationStats
 from .runner import MODES, RunRecord, default_methods
 
 

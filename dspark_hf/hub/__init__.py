@@ -8,14 +8,14 @@
 * ``dspark_hf/hub/templates/``: the remote-code, ``custom_generate`` and model-card templates.
 
 The run-time side of the Hub lives with the decoding path: auto-class registration in
-:mod:`dspark_hf.auto_classes`, layout detection in :mod:`dspark_hf.checkpoint_formats` and the
+:mod:`dspark_hf.model.auto_classes`, layout detection in :mod:`dspark_hf.model.checkpoint_formats` and the
 ``custom_generate`` entry point in :mod:`dspark_hf.custom_generate`. They are re-exported here
 because drafts already on the Hub run ``from dspark_hf.hub import run_custom_generate``.
 """
 
-from ..auto_classes import register_auto_classes
-from ..checkpoint_formats import checkpoint_format
-from ..custom_generate import last_custom_generate_draft, locate_custom_generate_source, run_custom_generate
+from ..model.auto_classes import register_auto_classes
+from ..model.checkpoint_formats import checkpoint_format
+from ..decoding.custom_generate import last_custom_generate_draft, locate_custom_generate_source, run_custom_generate
 from .draft_export import AUTO_MAP, DEEPSPEC_FIELDS, FORMATS, export, push_to_hub
 from .model_card import render_model_card
 from .vllm_export import vllm_compatibility

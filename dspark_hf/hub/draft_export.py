@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-from ..configuration_dspark import DSparkConfig, is_dspark_config
+from ..model.configuration_dspark import DSparkConfig, is_dspark_config
 from .model_card import render_model_card
 from .speculators_export import write_speculators
 from .template_files import read_template
 
 if TYPE_CHECKING:  # annotations only: the model class reaches this module through its push_to_hub
-    from ..modeling_dspark import DSparkDraftModel
+    from ..model.modeling_dspark import DSparkDraftModel
 
 FORMATS = ("hf", "deepspec", "vllm", "speculators")
 AUTO_MAP = {"AutoConfig": "configuration_dspark.DSparkConfig", "AutoModel": "modeling_dspark.DSparkDraftModel"}

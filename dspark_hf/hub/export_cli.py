@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..modeling_dspark import DSparkDraftModel
+from ..model.modeling_dspark import DSparkDraftModel
 from .draft_export import FORMATS, export
 
 

@@ -15,7 +15,7 @@ import os
 import string
 from pathlib import Path
 
-from ..checkpoint_formats import checkpoint_format
+from ..model.checkpoint_formats import checkpoint_format
 from .template_files import read_template
 from .vllm_export import VLLM_VERSION, vllm_compatibility, vllm_serve_command
 

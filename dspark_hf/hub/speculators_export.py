@@ -1,6 +1,6 @@
 """Writing a draft in vllm-project/speculators' format (speculators 0.9), for speculators and vLLM.
 
-What speculators 0.9 itself saves, field for field (``dspark_hf.speculators_format`` reads it back):
+What speculators 0.9 itself saves, field for field (``dspark_hf.model.speculators_format`` reads it back):
 
 * ``config.json``: ``speculators_model_type`` (``"dspark"``; ``"dflash"`` for a draft with neither
   Markov nor confidence head), ``architectures`` (``["DSparkDraftModel"]`` / ``["DFlashDraftModel"]``,
@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel, Qwen3Config
 
 if TYPE_CHECKING:
-    from ..modeling_dspark import DSparkDraftModel
+    from ..model.modeling_dspark import DSparkDraftModel
 
 __all__ = ["SPECULATORS_VERSION", "speculators_config_dict", "speculators_state_dict", "write_speculators"]
 
@@ -124,7 +124,7 @@ def _same_as_target(own: torch.nn.Module, borrowed: torch.nn.Module | None, name
 
 def speculators_state_dict(draft: DSparkDraftModel, target: PreTrainedModel | None) -> dict[str, torch.Tensor]:
     """The draft's weights as speculators stores them (see the module docstring), on CPU."""
-    from ..draft_vocab import BUFFER_NAME
+    from ..model.draft_vocab import BUFFER_NAME
 
     dtype = draft.fc.weight.dtype
     skip = {"embed_tokens.weight", "lm_head.weight", BUFFER_NAME}

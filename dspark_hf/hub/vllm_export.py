@@ -41,7 +41,7 @@ import torch
 from transformers import PreTrainedModel, Qwen3Config
 
 if TYPE_CHECKING:
-    from ..modeling_dspark import DSparkDraftModel
+    from ..model.modeling_dspark import DSparkDraftModel
 
 VLLM_VERSION = "0.34.0"
 VLLM_ARCHITECTURE = "Qwen3DSparkModel"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..draft_vocab import scatter_to_vocab
-from ..heads import calibrated_confidences
-from ..modeling_dspark import DSparkDraftModel
+from ..model.draft_vocab import scatter_to_vocab
+from ..model.heads import calibrated_confidences
+from ..model.modeling_dspark import DSparkDraftModel
 from .target_loading import target_head
 from .trainer import draft_block_outputs, sample_anchors, serial_logits_teacher_forced
 

@@ -45,7 +45,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from ..chat_text import chat_prompt_ids, encode_prompt, trim_after_eos  # chat_prompt_ids: kept importable here
-from ..cpu_fast_path import optimize_for_cpu
+from ..kernels.cpu_fast_path import optimize_for_cpu
 from .prompt_sources import SOURCES, Prompt, eval_overlap, load_sources, read_eval_prompts, source_versions
 from .target_loading import resolve_target
 

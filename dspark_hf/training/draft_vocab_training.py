@@ -1,4 +1,4 @@
-"""Training a draft with a reduced draft vocabulary (:mod:`dspark_hf.draft_vocab`): choosing the ids,
+"""Training a draft with a reduced draft vocabulary (:mod:`dspark_hf.model.draft_vocab`): choosing the ids,
 their coverage, the cached target log-normaliser and the exact loss on the subset.
 
 Choice: the N most frequent tokens of the training corpus's answers (what the draft learns to
@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..draft_vocab import new_cache, subset_logits
-from ..modeling_dspark import DSparkDraftModel
+from ..model.draft_vocab import new_cache, subset_logits
+from ..model.modeling_dspark import DSparkDraftModel
 from .loss_terms import combine_loss_terms
 
 logger = logging.get_logger(__name__)

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..configuration_dspark import hidden_state_indices
+from ..model.configuration_dspark import hidden_state_indices
 from .distributed import Ranks, atomic_torch_save
 from .draft_vocab_training import add_target_lse, ensure_target_lse
 

@@ -36,7 +36,7 @@ from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
 from ..chat_text import has_chat_template
-from ..modeling_dspark import DSparkDraftModel, default_target_layer_ids
+from ..model.modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .calibration import calibrate_draft
 from .data import load_corpus, sharegpt_reference_answers
 from .datagen import FORMAT_VERSION, load_onpolicy_corpus, load_plan, prepare_folder, remove_stale_temporaries, run_datagen

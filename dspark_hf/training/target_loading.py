@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 
 from .. import demo_target
-from ..targets import draft_backbone_fields
+from ..model.targets import draft_backbone_fields
 
 logger = logging.get_logger(__name__)
 

@@ -40,9 +40,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..configuration_dspark import DSparkConfig
-from ..heads import confidence_logits
-from ..modeling_dspark import DSparkDraftModel
+from ..model.configuration_dspark import DSparkConfig
+from ..model.heads import confidence_logits
+from ..model.modeling_dspark import DSparkDraftModel
 from .distributed import Ranks, atomic_torch_save, atomic_write_json
 from .draft_vocab_training import (add_target_lse, coverage, reduced_vocab_loss, select_draft_vocab,
                                    special_token_ids, target_subset_logits, token_counts)
@@ -91,7 +91,7 @@ class TrainingConfig:
     conf_weight: float = 1.0
     init_from_target: bool = True
     init_from_draft: str | None = None  # warm start: a saved draft folder with the same architecture
-    draft_vocab_size: int | None = None  # reduced draft vocabulary of N ids (dspark_hf.draft_vocab); 0/None = all
+    draft_vocab_size: int | None = None  # reduced draft vocabulary of N ids (dspark_hf.model.draft_vocab); 0/None = all
     held_out_sequences: int = 32
     save_every: int = 200
     snapshot_every: int = 0  # also save the draft itself to snapshots/step-N every N steps (0 = never)

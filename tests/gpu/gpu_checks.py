@@ -111,7 +111,7 @@ def _reference_as_op(heads, U, H, anchor, *, do_sample, temperature, uniforms, f
 def _op_call(dry_run: bool):
     """serial_sample_cuda, or the reference loop in a dry run; keyword graph= is accepted by both."""
     from dspark_hf import cuda_ops
-    from dspark_hf.sampling import serial_sample
+    from dspark_hf.decoding.sampling import serial_sample
 
     if not dry_run:
         return cuda_ops.serial_sample_cuda
@@ -242,7 +242,7 @@ def stage_speed(rec: Record, dry_run: bool) -> None:
     import torch
 
     import test_cuda_op as gpu
-    from dspark_hf.sampling import serial_sample
+    from dspark_hf.decoding.sampling import serial_sample
 
     device = _setup(dry_run)
     timed = _timer(device)

@@ -38,8 +38,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from dspark_hf import cuda_ops
 from dspark_hf.benchmarks.measuring import mean_call_ms
 from dspark_hf.configuration_dspark import DSparkConfig
-from dspark_hf.heads import ConfidenceHead, MarkovHead
-from dspark_hf.sampling import SerialSample, serial_sample
+from dspark_hf.model.heads import ConfidenceHead, MarkovHead
+from dspark_hf.decoding.sampling import SerialSample, serial_sample
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run bash tests/gpu/run_gpu_checks.sh on one)")

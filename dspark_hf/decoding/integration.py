@@ -18,9 +18,9 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 
-from .configuration_dspark import is_dspark_config
+from ..model.configuration_dspark import is_dspark_config
 from .settings import dspark_kwargs_of_call, mark_call_settings, refuse_lossy_settings
-from .step_rates import profile_rewrites_per_call
+from ..scheduling.step_rates import profile_rewrites_per_call
 from .stopping import DeferredStreamer, ExactStopping, cut_output, positional_criteria
 
 _EXPECTED_PARAMETERS = (
@@ -113,7 +113,7 @@ def _check_attention_outputs(target, generation_config) -> None:
 def wrap_prepare_generation_config(original):
     """``_prepare_generation_config``: DSpark's ``generate()`` settings (``dspark_verify_policy``,
     ...) go onto the call's generation config, and which assisted-generation fields the call set
-    explicitly is recorded (:func:`~dspark_hf.settings.mark_call_settings`)."""
+    explicitly is recorded (:func:`~dspark_hf.decoding.settings.mark_call_settings`)."""
 
     @functools.wraps(original)
     def _prepare_generation_config(self, generation_config=None, **kwargs):
@@ -176,9 +176,9 @@ def wrap_get_candidate_generator(original):
 
 def wrap_assisted_decoding(original):
     """``_assisted_decoding``: with a DSpark draft, batch size 1 runs transformers' loop with exact
-    stopping (:func:`_decode_one`), batch size > 1 runs :func:`dspark_hf.batched.batched_dspark_generate`
+    stopping (:func:`_decode_one`), batch size > 1 runs :func:`dspark_hf.decoding.batched.batched_dspark_generate`
     instead of transformers' refusal (:func:`_decode_batch`); both inside one
-    :func:`~dspark_hf.step_rates.profile_rewrites_per_call` scope (the call)."""
+    :func:`~dspark_hf.scheduling.step_rates.profile_rewrites_per_call` scope (the call)."""
 
     @functools.wraps(original)
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,

@@ -5,7 +5,7 @@ One round for the R' rows still running (:class:`BatchedDSparkGeneration`, one m
 
 1. choose sources: with context lookup on, each row compares its own lookup proposal (copied from
    its prompt and generated text) with what DSpark delivered for it lately, from its own past
-   rounds only (:func:`dspark_hf.rounds.choose_lookup`); rows that pick lookup skip drafting;
+   rounds only (:func:`dspark_hf.decoding.rounds.choose_lookup`); rows that pick lookup skip drafting;
 2. draft: one draft forward over the R' blocks ``[x0_r, MASK * (gamma - 1)]`` and serial sampling
    of the rows that draft (confidences ``c_{r,k}``); no draft forward when no row needs one, or
    when the drafting gate says drafting does not pay;
@@ -19,8 +19,8 @@ One round for the R' rows still running (:class:`BatchedDSparkGeneration`, one m
 6. roll back and emit: per-row rollback of both caches; rows that finished (EOS, length, a
    stopping criterion) leave the batch and stop costing verification.
 
-The round is a :class:`~dspark_hf.rounds.RoundPlan`, and each row's budget, source, verified
-length and record are decided by :class:`~dspark_hf.rounds.RoundDecisions`, the same code as at
+The round is a :class:`~dspark_hf.decoding.rounds.RoundPlan`, and each row's budget, source, verified
+length and record are decided by :class:`~dspark_hf.decoding.rounds.RoundDecisions`, the same code as at
 batch size 1; this module holds the batched forwards, acceptance, ragged caches and stopping.
 
 Ragged caches: rows accept different numbers of tokens, so after a round row r has ``n_r + 1``
@@ -57,10 +57,10 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
 
-from .configuration_dspark import hidden_state_indices
+from ..model.configuration_dspark import hidden_state_indices
 from .context_lookup import SourceChooser
-from .draft_runtime import record_generation_stats
-from .modeling_dspark import DraftContextCache, DSparkDraftModel
+from ..model.draft_runtime import record_generation_stats
+from ..model.modeling_dspark import DraftContextCache, DSparkDraftModel
 from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, cut_after_first_eos
 from .sampling import serial_sample
 from .settings import resolve_settings

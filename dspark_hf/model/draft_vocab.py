@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_fast_path import packed_like
+from ..kernels.cpu_fast_path import packed_like
 
 BUFFER_NAME = "draft_vocab_ids"
 
@@ -138,7 +138,7 @@ def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCac
     """A frozen ``nn.Linear`` holding the rows ``ids`` of ``head`` (weight and bias), cached in ``cache``.
 
     It runs the way ``head`` runs: when ``head`` was packed by
-    :func:`~dspark_hf.cpu_fast_path.optimize_for_cpu`, so is the gathered layer. Without this the
+    :func:`~dspark_hf.kernels.cpu_fast_path.optimize_for_cpu`, so is the gathered layer. Without this the
     reduced head would take the stock multi-row CPU path that the fast path exists to avoid (a
     16,384-row subset of SmolLM2's head then cost more per draft round than the packed full head).
     """

@@ -1,7 +1,7 @@
 """The scheduler's cost model: target step time per number of tokens, corrected from live rounds.
 
 The scheduler needs ``T(B)``, the time of one target forward over ``B`` new tokens. A profile
-measured once (:func:`dspark_hf.step_rates.profile_sps`) is a good prior but can be wrong for the
+measured once (:func:`dspark_hf.scheduling.step_rates.profile_sps`) is a good prior but can be wrong for the
 run at hand: taken while the machine was busy, at another context length, or read from a cache
 file written under another machine state. :class:`StepCostModel` starts from that prior and
 corrects it with the verify time every round observes, so a wrong prior stops misleading the

@@ -35,7 +35,7 @@ class MarkovHead(nn.Module):
         self.head_type = config.markov_head_type
         self.rank = config.markov_rank
         self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)
-        # N-wide for a reduced draft vocabulary (dspark_hf.draft_vocab); W1 reads any previous token
+        # N-wide for a reduced draft vocabulary (dspark_hf.model.draft_vocab); W1 reads any previous token
         self.markov_w2 = nn.Linear(config.markov_rank, config.draft_vocab_size or config.vocab_size, bias=False)
         if self.head_type == "gated":
             self.gate_proj = nn.Linear(config.hidden_size + config.markov_rank, config.markov_rank)

@@ -205,7 +205,7 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     Every float32 ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
     docstring for why and what it costs). A model on CPU whose attention has grouped key/value heads
     and runs on transformers' ``sdpa`` switches to an attention function that does not copy the KV
-    cache on multi-token steps (:mod:`dspark_hf.cpu_attention`; ``model.set_attn_implementation("sdpa")``
+    cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`; ``model.set_attn_implementation("sdpa")``
     undoes it). Outputs equal the stock model's within float32 rounding
     (a different summation order); greedy generation is unchanged in practice, and DSpark's
     losslessness does not depend on it (draft and target are verified, not trusted).

@@ -1,7 +1,7 @@
 """What both DSpark generation paths share, written once.
 
-A round is the same idea at batch size 1 (:mod:`dspark_hf.candidate_generator`, inside
-transformers' assisted-decoding loop) and batched (:mod:`dspark_hf.batched`, DSpark's own loop):
+A round is the same idea at batch size 1 (:mod:`dspark_hf.decoding.candidate_generator`, inside
+transformers' assisted-decoding loop) and batched (:mod:`dspark_hf.decoding.batched`, DSpark's own loop):
 choose a source (context lookup or the draft), draft and schedule, verify, accept, record. This
 module holds the pieces of that round that do not depend on which loop runs it:
 
@@ -33,7 +33,7 @@ import torch
 from transformers.utils import logging
 
 from .context_lookup import LookupProposal, SourceChooser
-from .policies import VerifyPolicy, checked_admission, lookup_step_rates
+from ..scheduling.policies import VerifyPolicy, checked_admission, lookup_step_rates
 from .serial_block import NON_FINITE_DRAFT_WARNING, SerialSample
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ def choose_lookup(chooser: SourceChooser, sequence: torch.LongTensor, budget: in
     """This round's lookup proposal for one sequence and how many of its tokens to verify.
 
     The chooser compares the lookup proposal's ``Theta = SPS(1 + l) * E[accepted + 1]`` with what
-    recent DSpark rounds of this sequence delivered (:class:`~dspark_hf.context_lookup.SourceChooser`).
+    recent DSpark rounds of this sequence delivered (:class:`~dspark_hf.decoding.context_lookup.SourceChooser`).
     A length of 0 means the round drafts instead. The choice reads the sequence so far
     (``sequence``, 1-D) and past rounds only, never a token about to be verified.
     """
@@ -366,7 +366,7 @@ class RoundDecisions:
                          lengths=[0] * len(room), round_start=time.perf_counter())
 
     def lookup_sps(self) -> tuple[float, ...]:
-        """The step-rate table the lookup choice reads (see :func:`~dspark_hf.policies.lookup_step_rates`)."""
+        """The step-rate table the lookup choice reads (see :func:`~dspark_hf.scheduling.policies.lookup_step_rates`)."""
         return lookup_step_rates(self.policy, self.target, self.lookup_max_tokens)
 
     def choose_sources(self, plan: RoundPlan, choosers: list[SourceChooser],
@@ -473,7 +473,7 @@ class RoundDecisions:
         return both[len(admitted):], both[: len(admitted)]
 
     def warn_non_finite(self) -> None:
-        """Logs :data:`~dspark_hf.serial_block.NON_FINITE_DRAFT_WARNING` once per call."""
+        """Logs :data:`~dspark_hf.decoding.serial_block.NON_FINITE_DRAFT_WARNING` once per call."""
         if not self.warned_non_finite:
             self.warned_non_finite = True
             logger.warning(NON_FINITE_DRAFT_WARNING)

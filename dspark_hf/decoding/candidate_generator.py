@@ -14,8 +14,8 @@ number of accepted tokens. One round here:
    sees ``c_k`` before ``x_k`` is drawn and ends the block at its first refusal (0 tokens allowed);
 6. return ``input_ids + x_1..x_keep`` and the logits those tokens were drawn from.
 
-The round is a :class:`~dspark_hf.rounds.RoundPlan` with one row, and its budget, source,
-verified length and record are decided by :class:`~dspark_hf.rounds.RoundDecisions`, as in the
+The round is a :class:`~dspark_hf.decoding.rounds.RoundPlan` with one row, and its budget, source,
+verified length and record are decided by :class:`~dspark_hf.decoding.rounds.RoundDecisions`, as in the
 batched loop; this module holds what is particular to transformers' loop (the context cache fed
 from its model outputs, the candidates it expects).
 
@@ -31,10 +31,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .configuration_dspark import hidden_state_indices
+from ..model.configuration_dspark import hidden_state_indices
 from .context_lookup import SourceChooser
-from .draft_runtime import record_generation_stats
-from .modeling_dspark import DSparkDraftModel
+from ..model.draft_runtime import record_generation_stats
+from ..model.modeling_dspark import DSparkDraftModel
 from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, RoundStats
 from .sampling import serial_sample
 from .settings import resolve_settings
@@ -206,5 +206,5 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.plan = None
 
 
-# RoundStats and DSparkGenerationStats live in dspark_hf.rounds; importing them from here keeps working.
+# RoundStats and DSparkGenerationStats live in dspark_hf.decoding.rounds; importing them from here keeps working.
 __all__ = ["DSparkCandidateGenerator", "DSparkGenerationStats", "RoundStats"]

@@ -1,6 +1,6 @@
 """CUDA-graph replay of a fixed-shape GPU call, for the serial-sampling op at small batch sizes.
 
-The op (:mod:`dspark_hf.cuda_ops`) launches ``1 + 2 * gamma`` kernels per call. At one row, what
+The op (:mod:`dspark_hf.kernels.cuda_ops`) launches ``1 + 2 * gamma`` kernels per call. At one row, what
 ``generate()`` uses, each kernel is short, so launch latency can be a large part of the call. A
 CUDA graph replays the whole sequence with one launch; the inputs are copied into the graph's
 static buffers first and the outputs cloned out after (a few memory copies instead of ``2 * gamma``

@@ -9,10 +9,10 @@ threads generating with one draft do not share any per-call state.
 DSpark's own fields (any ``GenerationConfig`` accepts them as extra attributes):
 
 * ``dspark_verify_policy``: ``"scheduler"``, ``"fixed"``, ``"threshold"``,
-  ``"per_position_threshold"``, or a :class:`~dspark_hf.policies.VerifyPolicy` instance
+  ``"per_position_threshold"``, or a :class:`~dspark_hf.scheduling.policies.VerifyPolicy` instance
   (a policy of your own). ``None``: the default (see :func:`resolve_verify_policy`).
 * ``dspark_adaptive_drafting``: ``None`` (default), ``True``/``False``, or a
-  :class:`~dspark_hf.drafting_gate.DraftingGate` (see :func:`resolve_drafting_gate`).
+  :class:`~dspark_hf.scheduling.drafting_gate.DraftingGate` (see :func:`resolve_drafting_gate`).
 
 transformers' own assisted-generation fields keep their documented meaning:
 
@@ -48,10 +48,10 @@ from transformers.utils import logging
 from .context_lookup import ContextLookup
 # The draft's run-time state moved below the model; DraftRuntimeSettings and record_generation_stats
 # are still importable from here.
-from .draft_runtime import GATE_FIELD, POLICY_FIELD, DraftRuntimeSettings, record_generation_stats
-from .drafting_gate import DraftingGate
-from .policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
-from .step_rates import shared_cost_model
+from ..model.draft_runtime import GATE_FIELD, POLICY_FIELD, DraftRuntimeSettings, record_generation_stats
+from ..scheduling.drafting_gate import DraftingGate
+from ..scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
+from ..scheduling.step_rates import shared_cost_model
 
 logger = logging.get_logger(__name__)
 
@@ -238,7 +238,7 @@ def resolve_verify_policy(draft: PreTrainedModel, target: PreTrainedModel, num_r
     ``dspark_verify_policy`` when set; else ``assistant_confidence_threshold`` (per-position
     threshold); else an adaptive ``num_assistant_tokens_schedule`` (the scheduler); else
     ``num_assistant_tokens`` (a fixed length); else the default: with a confidence head, a scheduler
-    on the target's live cost model (:func:`~dspark_hf.step_rates.shared_cost_model`: a profiled
+    on the target's live cost model (:func:`~dspark_hf.scheduling.step_rates.shared_cost_model`: a profiled
     prior, one per target and process, corrected by every round's verify time) for up to
     ``num_rows * (gamma + 1)`` tokens; without one (DFlash), the full block.
     """
@@ -310,7 +310,7 @@ def resolve_drafting_gate(draft: PreTrainedModel, policy: VerifyPolicy,
 
 def resolve_context_lookup(draft: PreTrainedModel, generation_config: GenerationConfig | None,
                            policy: VerifyPolicy) -> ContextLookup | None:
-    """The call's context lookup (see :mod:`dspark_hf.context_lookup`), from transformers' own
+    """The call's context lookup (see :mod:`dspark_hf.decoding.context_lookup`), from transformers' own
     prompt-lookup settings: ``prompt_lookup_num_tokens`` (the longest proposal; 0 turns lookup off)
     and ``max_matching_ngram_size``, read from the call, else the draft's ``generation_config``.
     When neither sets it, lookup is on (10 tokens, 3-grams) with the default scheduler, whose live

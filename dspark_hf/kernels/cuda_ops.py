@@ -1,15 +1,15 @@
-"""The compiled CUDA serial-sampling op, and when :func:`~dspark_hf.sampling.serial_sample` uses it.
+"""The compiled CUDA serial-sampling op, and when :func:`~dspark_hf.decoding.sampling.serial_sample` uses it.
 
-On a GPU, the reference loop in :mod:`dspark_hf.sampling` costs gamma rounds of several small kernel
+On a GPU, the reference loop in :mod:`dspark_hf.decoding.sampling` costs gamma rounds of several small kernel
 launches from Python (row lookup, the V x r bias product, add, softmax, sampling). The operator
 ``torch.ops.dspark_hf.serial_sample`` does the whole block in one call: for every position it fuses
 the previous token's ``W1`` row, the gated head's gate, the ``W2`` projection, the add to ``U_k``,
 the temperature, argmax or inverse-CDF sampling and the confidence head (see
-``dspark_hf/csrc/serial_sample.h`` for the kernels). It is registered with ``torch.library`` (schema
+``dspark_hf/kernels/csrc/serial_sample.h`` for the kernels). It is registered with ``torch.library`` (schema
 and fake implementation here, CUDA kernel in C++), so it traces under ``torch.compile`` and can be
 captured in CUDA graphs (no host synchronisation, no host-side randomness).
 
-Build: the C++/CUDA sources in ``dspark_hf/csrc`` are compiled with
+Build: the C++/CUDA sources in ``dspark_hf/kernels/csrc`` are compiled with
 ``torch.utils.cpp_extension.load`` on first use (about a minute, for the visible GPU's architecture
 or ``TORCH_CUDA_ARCH_LIST``) and cached under ``$DSPARK_HF_EXTENSION_DIR``, else
 ``$DSPARK_HF_CACHE/torch_extensions``, else ``~/.cache/dspark_hf/torch_extensions``, in a folder per
@@ -19,7 +19,7 @@ saying which is missing.
 
 Launches: the op launches ``1 + 2 * gamma`` kernels per call. ``DSPARK_HF_CUDA_GRAPH=1`` (or
 ``serial_sample_cuda(..., graph=True)``) replays them as one captured CUDA graph per shape instead
-(:mod:`dspark_hf.cuda_graphs`); off by default until ``tests/gpu/run_gpu_checks.sh`` has measured it.
+(:mod:`dspark_hf.kernels.cuda_graphs`); off by default until ``tests/gpu/run_gpu_checks.sh`` has measured it.
 
 Randomness: the op draws token k of row r as the inverse CDF of ``softmax(logits)`` at
 ``uniforms[r, k]``. The uniforms are an input: :func:`serial_sample_cuda` makes them with
@@ -50,11 +50,11 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
-from .cache_dir import default_cache_dir
+from ..cache_dir import default_cache_dir
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
-from .draft_vocab import cuda_op_markov_w2
-from .policies import offer_until_refused
-from .serial_block import SerialSample, admitted_sample, confidence_temperatures, position_confidence
+from ..model.draft_vocab import cuda_op_markov_w2
+from ..scheduling.policies import offer_until_refused
+from ..decoding.serial_block import SerialSample, admitted_sample, confidence_temperatures, position_confidence
 
 logger = logging.get_logger(__name__)
 
@@ -66,7 +66,7 @@ OP_SCHEMA = (
     "int fused_max_rows=4) -> (Tensor tokens, Tensor logits, Tensor confidences)"
 )
 # Batches up to this many rows use the fused W2 pass; larger ones a cuBLAS GEMM for the bias (the
-# kernels cap the fused pass at 4 rows: dspark_hf/csrc/serial_sample.h, kFusedMaxRows).
+# kernels cap the fused pass at 4 rows: dspark_hf/kernels/csrc/serial_sample.h, kFusedMaxRows).
 FUSED_MAX_ROWS = 4
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_HEADS = ("vanilla", "gated")
@@ -189,7 +189,7 @@ def load_extension(verbose: bool = False) -> None:
         except Exception as err:  # compiler errors, missing headers, load failures
             _state["error"] = (
                 f"Building the dspark_hf CUDA serial-sampling op failed ({type(err).__name__}: {err}). "
-                f"Build files are in {build_dir}; rerun dspark_hf.cuda_ops.load_extension(verbose=True) to see the "
+                f"Build files are in {build_dir}; rerun dspark_hf.kernels.cuda_ops.load_extension(verbose=True) to see the "
                 "compiler output, or use serial_sample(..., backend='reference')."
             )
             raise CudaOpUnavailable(_state["error"]) from err
@@ -286,12 +286,12 @@ def serial_sample_cuda(
 ) -> SerialSample:
     """Runs the CUDA op on one block (no support checks: see :func:`unsupported_reason`).
 
-    Args mirror :func:`~dspark_hf.sampling.serial_sample`; ``temperature`` replaces the processor
+    Args mirror :func:`~dspark_hf.decoding.sampling.serial_sample`; ``temperature`` replaces the processor
     list. With ``do_sample`` and no ``uniforms``, they are drawn with ``torch.rand`` from
     ``generator`` (or the default CUDA generator) and returned in the result. ``fused_max_rows``
     (default :data:`FUSED_MAX_ROWS`) picks the fused W2 pass for batches up to that size; 0 forces
     the cuBLAS bias path. ``graph`` replays the op's kernels as one CUDA graph per shape
-    (:mod:`dspark_hf.cuda_graphs`: same kernels, same results, one launch instead of
+    (:mod:`dspark_hf.kernels.cuda_graphs`: same kernels, same results, one launch instead of
     ``1 + 2 * gamma``); None (default) reads ``DSPARK_HF_CUDA_GRAPH`` (off unless set to 1).
     """
     load_extension()
@@ -353,7 +353,7 @@ def op_applies(
     uniforms: torch.Tensor | None,
     backend: str,
 ) -> bool:
-    """Whether :func:`~dspark_hf.sampling.serial_sample` runs this call on the op (builds it on first use).
+    """Whether :func:`~dspark_hf.decoding.sampling.serial_sample` runs this call on the op (builds it on first use).
 
     ``backend="auto"``: True when :func:`unsupported_reason` finds nothing and the extension
     builds (a build failure warns once and falls back); ``DSPARK_HF_CUDA_OP=0`` in the environment
@@ -408,7 +408,7 @@ def dispatch(
     admission: Callable[[float], bool] | None = None,
     num_positions: int | None = None,
 ) -> SerialSample | None:
-    """The op's result for :func:`~dspark_hf.sampling.serial_sample`, or None to run the reference
+    """The op's result for :func:`~dspark_hf.decoding.sampling.serial_sample`, or None to run the reference
     loop (see :func:`op_applies` for when).
 
     Without ``admission`` the op draws the whole block. With ``admission`` (one request, decided by

@@ -6,7 +6,7 @@ rates, cost model, rounds): the model module stays a model, and the generation l
 import the scheduling stack, record their statistics here with :func:`record_generation_stats`.
 
 Nothing here holds per-call state on the draft: statistics are kept per thread, and the deprecated
-attributes read and write the draft's ``generation_config``, where :mod:`dspark_hf.settings`
+attributes read and write the draft's ``generation_config``, where :mod:`dspark_hf.decoding.settings`
 resolves every call's settings.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["DraftRuntimeSettings", "GATE_FIELD", "POLICY_FIELD", "record_generation_stats"]
 
-# The draft generation_config fields DSpark adds (read by dspark_hf.settings).
+# The draft generation_config fields DSpark adds (read by dspark_hf.decoding.settings).
 POLICY_FIELD = "dspark_verify_policy"
 GATE_FIELD = "dspark_adaptive_drafting"
 
@@ -50,7 +50,7 @@ class DraftRuntimeSettings:
 
     @property
     def last_generation_stats(self):
-        """:class:`~dspark_hf.rounds.DSparkGenerationStats` of this thread's latest
+        """:class:`~dspark_hf.decoding.rounds.DSparkGenerationStats` of this thread's latest
         ``generate`` call with this draft (``None`` before the first)."""
         per_draft = getattr(_LAST_STATS, "by_draft", None)
         return None if per_draft is None else per_draft.get(self)

@@ -9,9 +9,9 @@ Three layouts load into :class:`~dspark_hf.DSparkDraftModel` (docs/formats.md de
 * ``"zlab-dflash"``: z-lab DFlash drafts (``architectures: ["DFlashDraftModel"]``).
 * ``"speculators"``: DSpark and DFlash drafts trained with vllm-project/speculators (no
   ``model_type``; ``speculators_model_type`` and ``transformer_layer_config`` instead), translated by
-  :mod:`dspark_hf.speculators_format`. Checked first: speculators names its classes like ours.
+  :mod:`dspark_hf.model.speculators_format`. Checked first: speculators names its classes like ours.
 
-Kept apart from the auto-class registration (:mod:`dspark_hf.auto_classes`) and from the Hub
+Kept apart from the auto-class registration (:mod:`dspark_hf.model.auto_classes`) and from the Hub
 export so that both, and the model-card renderer, can ask the question without importing the model.
 """
 

@@ -17,7 +17,7 @@ target model verifies this round:
 * :class:`VerifyPolicy`: the interface; subclass it for a policy of your own.
 
 ``SPS(B)`` is the target engine's steps per second when one forward pass processes ``B`` tokens;
-:mod:`dspark_hf.step_rates` measures it and keeps the live cost model the default scheduler reads.
+:mod:`dspark_hf.scheduling.step_rates` measures it and keeps the live cost model the default scheduler reads.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ class PrefixScheduler(VerifyPolicy):
             per second when one forward processes ``B`` tokens. It must be non-empty, finite,
             positive and non-increasing (:func:`profile_sps` returns such a table).
         live: treat ``sps`` as a prior that the verify times of the rounds correct (a
-            :class:`~dspark_hf.cost_model.StepCostModel` built from it).
+            :class:`~dspark_hf.scheduling.cost_model.StepCostModel` built from it).
         cost_model: a (shared) live cost model instead of ``sps``; the default scheduler uses one
             per target and process.
         max_tokens: length of the table read from a cost model (default: its profiled length).
@@ -337,7 +337,7 @@ class PrefixScheduler(VerifyPolicy):
         ``max_tokens`` should cover the largest verify forward, ``R * (gamma + 1)`` tokens for
         ``R`` requests; beyond it the table is extrapolated (see :meth:`step_rate`). With
         ``live=True`` the table is a prior that observed verify times correct
-        (:class:`~dspark_hf.cost_model.StepCostModel`).
+        (:class:`~dspark_hf.scheduling.cost_model.StepCostModel`).
         """
         return cls(profile_sps(model, max_tokens, **profile_kwargs), live=live)
 

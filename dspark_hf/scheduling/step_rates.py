@@ -1,10 +1,10 @@
 """The target's step rate ``SPS(B)``: profiling, its disk cache, and the live cost model per target.
 
 ``SPS(B)`` is the target engine's steps per second when one forward pass processes ``B`` tokens;
-the prefix scheduler (:mod:`dspark_hf.policies`) weighs expected accepted tokens against it.
+the prefix scheduler (:mod:`dspark_hf.scheduling.policies`) weighs expected accepted tokens against it.
 :func:`profile_sps` measures it for a transformers causal LM the way a verify step really runs
 (``B`` new tokens on top of a cached context) and caches the table on disk;
-:func:`shared_cost_model` keeps one live :class:`~dspark_hf.cost_model.StepCostModel` per target
+:func:`shared_cost_model` keeps one live :class:`~dspark_hf.scheduling.cost_model.StepCostModel` per target
 and process, built from the longest cached profile and corrected by the rounds' verify times.
 """
 
@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from .cache_dir import default_cache_dir
+from ..cache_dir import default_cache_dir
 from .cost_model import StepCostModel, monotone_step_times
-from .cpu_fast_path import is_optimized_for_cpu
+from ..kernels.cpu_fast_path import is_optimized_for_cpu
 
 logger = logging.get_logger(__name__)
 

@@ -1,5 +1,5 @@
-"""What the two serial-sampling paths share: the PyTorch loop (:mod:`dspark_hf.sampling`) and the
-compiled CUDA op (:mod:`dspark_hf.cuda_ops`).
+"""What the two serial-sampling paths share: the PyTorch loop (:mod:`dspark_hf.decoding.sampling`) and the
+compiled CUDA op (:mod:`dspark_hf.kernels.cuda_ops`).
 
 Both return a :class:`SerialSample`, compute a position's confidence the same way
 (:func:`position_confidence`, with the calibration temperatures of :func:`confidence_temperatures`),
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .heads import calibrated_confidences, confidence_logits
+from ..model.heads import calibrated_confidences, confidence_logits
 
 __all__ = [
     "NON_FINITE_DRAFT_WARNING",
@@ -29,7 +29,7 @@ __all__ = [
 
 @dataclass
 class SerialSample:
-    """Result of :func:`~dspark_hf.sampling.serial_sample`.
+    """Result of :func:`~dspark_hf.decoding.sampling.serial_sample`.
 
     Attributes:
         tokens: drawn tokens ``x_1..x_gamma``, (R, gamma) long; with ``admission``, only the
