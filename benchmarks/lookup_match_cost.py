@@ -6,7 +6,7 @@
 
 Each round, with context lookup on, DSpark generation searches the sequence so far for the
 longest recent n-gram match and values the copy against the draft
-(:func:`dspark_hf.rounds.choose_lookup`); batched generation does this once per running row. The
+(:func:`dspark_hf.decoding.rounds.choose_lookup`); batched generation does this once per running row. The
 issue's target: at 2,000 tokens of context this costs at most 1% of a round.
 
 The context is a code-like text (numbered functions that repeat their shape, as small models'
@@ -29,8 +29,8 @@ import torch
 
 from dspark_hf import DSparkDraftModel, optimize_for_cpu
 from dspark_hf.benchmarks.measuring import write_json_result
-from dspark_hf.context_lookup import ContextLookup, SourceChooser
-from dspark_hf.rounds import choose_lookup
+from dspark_hf.decoding.context_lookup import ContextLookup, SourceChooser
+from dspark_hf.decoding.rounds import choose_lookup
 
 DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 

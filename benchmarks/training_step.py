@@ -11,7 +11,7 @@ an on-policy data folder and prints
     python benchmarks/training_step.py --data data/smollm2-onpolicy --steps 6
 
 ``--draft-vocab-size 0 8192 16384`` times drafts with those draft vocabularies (0 = the full one,
-:mod:`dspark_hf.draft_vocab`) in one run, their steps interleaved on the same batches, and prints each
+:mod:`dspark_hf.model.draft_vocab`) in one run, their steps interleaved on the same batches, and prints each
 one's time relative to the first: on a busy machine the ratio means more than the absolute numbers.
 The reduced vocabularies are the most frequent answer tokens of the data folder's records.
 

@@ -37,7 +37,7 @@ from dspark_hf.benchmarks.environment import capture_environment  # noqa: E402
 from dspark_hf.benchmarks.measuring import mean_call_ms, write_json_result  # noqa: E402
 from dspark_hf.configuration_dspark import DSparkConfig  # noqa: E402
 from dspark_hf.modeling_dspark import ConfidenceHead, MarkovHead  # noqa: E402
-from dspark_hf.sampling import serial_sample  # noqa: E402
+from dspark_hf.decoding.sampling import serial_sample  # noqa: E402
 
 GAMMAS = (4, 7, 16)
 VOCABS = (151936, 49152)
