@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 import dspark_hf.decoding.sampling
-from dspark_hf import cuda_ops
+from dspark_hf.kernels import cuda_ops
 
 
 def pretend_cuda_op_is_built(monkeypatch: pytest.MonkeyPatch, entry_point: str, replacement: Callable) -> None:

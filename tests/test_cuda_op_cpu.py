@@ -32,7 +32,8 @@ from torch.utils import cpp_extension
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf
-from dspark_hf import cuda_graphs, cuda_ops
+from dspark_hf.kernels import cuda_graphs
+from dspark_hf.kernels import cuda_ops
 from dspark_hf.decoding.sampling import SerialSample, inverse_cdf_sample, serial_sample
 from cuda_op_fakes import pretend_cuda_op_is_built
 
