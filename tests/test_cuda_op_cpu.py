@@ -122,7 +122,7 @@ def test_sources_ship_with_the_package():
 
     pyproject = tomllib.loads((Path(dspark_hf.__file__).parent.parent / "pyproject.toml").read_text())
     package_data = pyproject["tool"]["setuptools"]["package-data"]
-    patterns = [f"csrc/{p}" for p in package_data.get("dspark_hf.csrc", [])] + package_data.get("dspark_hf", [])
+    patterns = package_data.get("dspark_hf.kernels", [])  # relative to dspark_hf/kernels, where csrc/ lives
     for name in (*cuda_ops.SOURCES, *cuda_ops.HEADERS):
         assert any(fnmatch.fnmatch(f"csrc/{name}", p) for p in patterns), f"{name} is not in the wheel's package data"
 
