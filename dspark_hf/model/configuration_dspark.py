@@ -503,6 +503,9 @@ def translate_zlab_dflash_config(config_dict: dict) -> dict:
     return src
 
 
+# The public path of the config class (dspark_hf/configuration_dspark.py aliases this module).
+DSparkConfig.__module__ = "dspark_hf.configuration_dspark"
+
 __all__ = [
     "DSparkConfig",
     "hidden_state_indices",

@@ -579,5 +579,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
+# Users, pickles and Hub remote code name these classes by their public path, which is this very module
+# (dspark_hf/modeling_dspark.py aliases it), so the move into model/ does not change what they print.
+DSparkPreTrainedModel.__module__ = DSparkDraftModel.__module__ = "dspark_hf.modeling_dspark"
+
 __all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache",
            "default_target_layer_ids", "non_finite_parameters"]
