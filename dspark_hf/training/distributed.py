@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,33 +115,29 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f"{path.name}.tmp{os.getpid()}")
 
 
-def atomic_torch_save(obj: Any, path: str | Path) -> Path:
-    """``torch.save`` to ``path`` through a temporary file and a rename: readers see the old file or
-    the new one, never half of it."""
+def _write_atomically(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Runs ``write(temporary)`` then renames the temporary file to ``path``: readers see the old file
+    or the new one, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(path)
     try:
-        torch.save(obj, tmp)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> Path:
+    """``torch.save`` to ``path`` through a temporary file and a rename."""
+    return _write_atomically(path, lambda tmp: torch.save(obj, tmp))
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Writes ``text`` to ``path`` through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary(path)
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return _write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def atomic_write_json(path: str | Path, data: Any) -> Path:
