@@ -24,7 +24,8 @@ from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.benchmarks.prompt_sets import DATASETS, load_eval_prompts
 from dspark_hf.chat_text import chat_prompt_ids
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.scheduling.step_rates import _shared_cost_models, profile_sps, sps_cache_key
+from dspark_hf.scheduling.shared_cost import _shared_cost_models
+from dspark_hf.scheduling.step_rates import profile_sps, sps_cache_key
 
 DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 

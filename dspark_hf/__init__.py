@@ -18,7 +18,8 @@ from .decoding.sampling import SerialSample, serial_sample
 from .scheduling.drafting_gate import DraftingGate
 from .scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
 from .decoding.rounds import DSparkGenerationStats, RoundStats
-from .scheduling.step_rates import profile_sps, shared_cost_model
+from .scheduling.shared_cost import shared_cost_model
+from .scheduling.step_rates import profile_sps
 
 __version__ = "0.1.0"
 

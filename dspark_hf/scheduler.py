@@ -6,8 +6,8 @@ each piece lives now:
 * :mod:`dspark_hf.scheduling.policies`: ``VerifyPolicy``, ``PrefixScheduler``, ``FixedLengthPolicy``,
   ``ThresholdPolicy``, ``PerPositionThresholdPolicy``;
 * :mod:`dspark_hf.scheduling.drafting_gate`: ``DraftingGate``;
-* :mod:`dspark_hf.scheduling.step_rates`: ``profile_sps``, ``load_sps_profile``, ``sps_cache_key``,
-  ``shared_cost_model``;
+* :mod:`dspark_hf.scheduling.step_rates`: ``profile_sps``, ``load_sps_profile``, ``sps_cache_key``;
+* :mod:`dspark_hf.scheduling.shared_cost`: ``shared_cost_model``;
 * :mod:`dspark_hf.scheduling.cost_model`: ``StepCostModel``, ``monotone_step_times``;
 * :mod:`dspark_hf.cache_dir`: ``default_cache_dir``.
 """
@@ -16,7 +16,8 @@ from .cache_dir import default_cache_dir
 from .scheduling.cost_model import StepCostModel, monotone_step_times
 from .scheduling.drafting_gate import DraftingGate
 from .scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
-from .scheduling.step_rates import load_sps_profile, profile_sps, shared_cost_model, sps_cache_key
+from .scheduling.shared_cost import shared_cost_model
+from .scheduling.step_rates import load_sps_profile, profile_sps, sps_cache_key
 
 __all__ = [
     "default_cache_dir",

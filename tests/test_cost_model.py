@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+import dspark_hf.scheduling.shared_cost as shared_cost_module
 import dspark_hf.scheduling.step_rates as step_rates_module
 from dspark_hf import FixedLengthPolicy, PrefixScheduler, StepCostModel, shared_cost_model
 from dspark_hf.scheduling.step_rates import sps_cache_key
@@ -116,14 +117,17 @@ def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch, tmp_
     profile = step_rates_module.profile_sps
     monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: calls.append(a[1]) or profile(*a, **k))
     prompts = torch.randint(3, 48, (3, 6))
-    for rows in (1, 2, 3, 1):
+    for rows in (1, 2, 3, 2, 1):
         batch = prompts[:rows]
         expected = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False)
         got = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False,
                               assistant_model=draft)
         assert got.tolist() == expected.tolist()
-    assert calls == [step_rates_module.DEFAULT_PROFILE_TOKENS]  # profiled once, for the first call only
-    assert shared_cost_model(target).num_observations > 0
+    # Profiled once for one sequence, then once more whenever a batch's padded forward (rows x (1 + the
+    # longest proposal: 10 lookup tokens)) goes beyond the prior; smaller batches reuse it.
+    assert calls == [shared_cost_module.DEFAULT_PROFILE_TOKENS, 2 * 11, 3 * 11]
+    model = shared_cost_model(target)
+    assert model.prior_length == 33 and model.num_observations > 0
 
 
 def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):
@@ -136,7 +140,7 @@ def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):
     model = shared_cost_model(target, cache_dir=tmp_path)
     assert model.prior(1) == pytest.approx(10.0)
     draft.generation_config.dspark_verify_policy = PrefixScheduler(cost_model=model, max_tokens=5)
-    with caplog.at_level(logging.WARNING, logger="dspark_hf.scheduling.step_rates"):
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.scheduling.shared_cost"):
         target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft)
     assert "differ from its profiled SPS table" in caplog.text and str(path) in caplog.text
     rewritten = json.loads(path.read_text())
@@ -190,7 +194,7 @@ def test_drift_warns_once_per_target_and_rewrites_the_cache_once_per_call(tmp_pa
     write = step_rates_module._write_record
     monkeypatch.setattr(step_rates_module, "_write_record", lambda where, record: writes.append(where) or write(where, record))
     calls = 3
-    with caplog.at_level(logging.DEBUG, logger="dspark_hf.scheduling.step_rates"):
+    with caplog.at_level(logging.DEBUG, logger="dspark_hf.scheduling.shared_cost"):
         for _ in range(calls):  # at most 2 tokens a round: 30+ rounds a call
             target.generate(torch.randint(3, 48, (1, 6)), max_new_tokens=60, do_sample=False, assistant_model=draft,
                             num_assistant_tokens=1)

@@ -53,7 +53,8 @@ MOVED_NAMES = {("dspark_hf.decoding.candidate_generator", "RoundStats"): "dspark
 REPO = PACKAGE_DIR.parent
 # The scheduling stack: how much is drafted and verified, and the round around it. The model sits
 # below it (its run-time state lives in dspark_hf.model.draft_runtime), so loading a draft loads none of it.
-SCHEDULING_STACK = ("dspark_hf.decoding.settings", "dspark_hf.scheduling.policies", "dspark_hf.scheduling.step_rates", "dspark_hf.scheduling.cost_model",
+SCHEDULING_STACK = ("dspark_hf.decoding.settings", "dspark_hf.scheduling.policies", "dspark_hf.scheduling.step_rates",
+                    "dspark_hf.scheduling.shared_cost", "dspark_hf.scheduling.cost_model",
                     "dspark_hf.scheduling.drafting_gate", "dspark_hf.decoding.context_lookup", "dspark_hf.decoding.rounds")
 
 

@@ -20,7 +20,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from dspark_hf import DSparkDraftModel
 from dspark_hf.scheduling.policies import VerifyPolicy
 from dspark_hf.decoding.serial_block import SerialSample
-from dspark_hf.scheduling.step_rates import fitted_context_length, max_positions, shared_cost_model, sps_cache_key
+from dspark_hf.scheduling.shared_cost import shared_cost_model
+from dspark_hf.scheduling.step_rates import fitted_context_length, max_positions, sps_cache_key
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table
 
 # The tables of tests/test_lossless_sampling.py: the repro.

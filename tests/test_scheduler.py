@@ -169,35 +169,42 @@ def test_extrapolation_beyond_the_table():
 
 
 def test_batch_hand_computed():
+    # The batched forward is a rectangle: R rows x W = 1 + the longest admitted position, so
+    # Theta = E * SPS(R * W).
     scheduler = PrefixScheduler([100, 100, 90, 80, 60, 50])
     # a: r0 = 0.9, 0.72; r1 = 0.5, 0.25. Order (0,1), (0,2), (1,1), (1,2).
-    # B=2: best = 200; (0,1): 2.9 * 90 = 261; (0,2): 3.62 * 80 = 289.6; (1,1): 4.12 * 60 = 247.2 stop.
+    # W=1, B=2: best = 200; (0,1): W=2, B=4: 2.9 * 80 = 232; (0,2): W=3, B=6: 3.62 * 50 = 181 stop.
     confidences = [[0.9, 0.8], [0.5, 0.5]]
-    assert scheduler.batch_throughputs(confidences) == pytest.approx([200.0, 261.0, 289.6, 247.2])
-    assert scheduler.admit_batch(confidences) == [2, 0]
-    # a: r0 = 0.9, 0.45; r1 = 0.6, 0.3: (0,1) 261; (1,1) 3.5 * 80 = 280; (0,2) 3.95 * 60 = 237 stop.
+    assert scheduler.batch_throughputs(confidences) == pytest.approx([200.0, 232.0, 181.0])
+    assert scheduler.admit_batch(confidences) == [1, 0]
+    # a: r0 = 0.9, 0.45; r1 = 0.6, 0.3: (0,1) 232; (1,1) adds no column: 3.5 * 80 = 280;
+    # (0,2): W=3, B=6: 3.95 * 50 = 197.5 stop.
+    assert scheduler.batch_throughputs([[0.9, 0.5], [0.6, 0.5]]) == pytest.approx([200.0, 232.0, 280.0, 197.5])
     assert scheduler.admit_batch([[0.9, 0.5], [0.6, 0.5]]) == [1, 1]
 
 
 def test_batch_three_requests_hand_computed():
-    scheduler = PrefixScheduler([100, 100, 100, 95, 90, 70, 50])
-    # a: r0 = 0.5; r1 = 0.95, 0.855, 0.0855; r2 = 0.7, 0.07.
-    # B=3: best 300; (1,1) 3.95*95 = 375.25; (1,2) 4.805*90 = 432.45; (2,1) 5.505*70 = 385.35 stop.
-    confidences = [[0.5], [0.95, 0.9, 0.1], [0.7, 0.1]]
-    assert scheduler.batch_throughputs(confidences) == pytest.approx([300.0, 375.25, 432.45, 385.35])
-    assert scheduler.admit_batch(confidences) == [0, 2, 0]
+    scheduler = PrefixScheduler([100, 100, 100, 100, 100, 90, 80, 70, 60])
+    # a: r0 = 0.5; r1 = 0.95, 0.285; r2 = 0.9. Order (1,1), (2,1), (0,1), (1,2).
+    # W=1, B=3: 300; (1,1): W=2, B=6: 3.95 * 90 = 355.5; (2,1) and (0,1) fit the same width:
+    # 4.85 * 90 = 436.5, 5.35 * 90 = 481.5; (1,2): W=3, B=9: 5.635 * 60 = 338.1 stop.
+    confidences = [[0.5], [0.95, 0.3], [0.9]]
+    assert scheduler.batch_throughputs(confidences) == pytest.approx([300.0, 355.5, 436.5, 481.5, 338.1])
+    assert scheduler.admit_batch(confidences) == [1, 1, 1]
+    # A lookup copy of 2 tokens already makes the forward 3 wide: every candidate up to j = 2 is free.
+    # W=3, B=9: 180; then 237, 291, 321, and (1,2) at the same width: 5.635 * 60 = 338.1.
+    assert scheduler.batch_throughputs(confidences, min_width=3) == pytest.approx([180.0, 237.0, 291.0, 321.0, 338.1])
+    assert scheduler.admit_batch(confidences, min_width=3) == [1, 2, 1]
 
 
 def test_batch_ties_keep_prefix_order():
-    scheduler = PrefixScheduler([10, 10, 10, 10, 10, 1])
-    # a: both requests 0.8, 0.64. Ties broken by (r, j): (0,1), (1,1), (0,2), (1,2).
-    # B=2: 20; 28; 36; 42.4; then B=6: 4.88 * 1 stop.
-    assert scheduler.admit_batch([[0.8, 0.8], [0.8, 0.8]]) == [2, 1]
+    scheduler = PrefixScheduler([10, 10, 10, 10, 10, 10, 1])
     # c = 1 makes a_{r,j+1} == a_{r,j}: ties are broken by (r, j), so request 0's positions go
-    # first, in order: (0,1) 30, (0,2) 40, (0,3) 50, then (1,1) at B=6: 6 * 1 stop.
-    assert scheduler.admit_batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == [3, 0]
-    assert scheduler.batch_throughputs([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == pytest.approx([20, 30, 40, 50, 6])
-    # Equal a in the middle of request 1: (1,1) and (1,2) tie at 0.8 and keep their order.
+    # first, in order: (0,1) W=2 30, (0,2) W=3 40, then (0,3) needs W=4, B=8: SPS = 1 * 7 / 8: stop.
+    assert scheduler.admit_batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == [2, 0]
+    assert scheduler.batch_throughputs([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == pytest.approx([20, 30, 40, 5 * 7 / 8])
+    # Equal a in the middle of request 1: (1,1) and (1,2) tie at 0.8 and keep their order:
+    # 20; (1,1) W=2 28; (1,2) W=3 36; (0,1) free 43; (1,3) W=4: 4.7 * 7 / 8 stop.
     assert scheduler.admit_batch([[0.7], [0.8, 1.0, 0.5]]) == [1, 2]
 
 
@@ -512,10 +519,11 @@ def test_scheduler_module_still_offers_every_name_it_had():
     import dspark_hf.scheduling.cost_model
     import dspark_hf.scheduling.drafting_gate
     import dspark_hf.scheduling.policies
+    import dspark_hf.scheduling.shared_cost
     import dspark_hf.scheduling.step_rates
 
-    homes = (dspark_hf.scheduling.policies, dspark_hf.scheduling.drafting_gate, dspark_hf.scheduling.step_rates, dspark_hf.scheduling.cost_model,
-             dspark_hf.cache_dir)
+    homes = (dspark_hf.scheduling.policies, dspark_hf.scheduling.drafting_gate, dspark_hf.scheduling.step_rates,
+             dspark_hf.scheduling.shared_cost, dspark_hf.scheduling.cost_model, dspark_hf.cache_dir)
     for name in dspark_hf.scheduler.__all__:
         home = next(module for module in homes if name in vars(module))
         assert getattr(dspark_hf.scheduler, name) is getattr(home, name), name

@@ -156,6 +156,32 @@ def test_warm_start_from_a_saved_draft_copies_its_weights_and_refuses_a_mismatch
         make_draft(target, dataclasses.replace(cfg, markov_rank=4, init_from_draft=str(tmp_path / "v1")))
 
 
+def test_a_deeper_draft_warm_starts_from_a_shallower_one_and_starts_out_identical(tmp_path):
+    target, items, cfg = _bigram_setup(tmp_path)
+    saved = _save_perturbed_draft(target, cfg, tmp_path / "one-layer", seed=7)
+    deeper_cfg = dataclasses.replace(cfg, num_hidden_layers=2, init_from_draft=str(tmp_path / "one-layer"))
+    deeper = make_draft(target, deeper_cfg)
+    assert len(deeper.layers) == 2
+    for name, value in saved.layers[0].state_dict().items():
+        assert torch.equal(deeper.layers[0].state_dict()[name], value), name
+    added = deeper.layers[1]
+    assert not torch.any(added.self_attn.o_proj.weight) and not torch.any(added.mlp.down_proj.weight)
+    assert torch.any(added.self_attn.q_proj.weight)  # the rest keeps its start, so training can move it
+    # the added residual block is an identity: same loss terms on the same blocks as the saved draft
+    gen = torch.Generator().manual_seed(3)
+    for item in items[:3]:
+        anchors = sample_anchors(item["ids"].numel(), item["answer_start"], 4, cfg.block_size, gen)
+        with torch.no_grad():
+            mine = step_loss(deeper, target.get_output_embeddings(), item, anchors, deeper_cfg)
+            theirs = step_loss(saved, target.get_output_embeddings(), item, anchors, cfg)
+        for key in ("loss", "tv", "ce"):
+            if key in theirs:
+                torch.testing.assert_close(mine[key], theirs[key], rtol=1e-5, atol=1e-6)
+    deeper.save_pretrained(tmp_path / "two-layer")
+    with pytest.raises(ValueError, match="num_hidden_layers"):  # a shallower draft cannot start from it
+        make_draft(target, dataclasses.replace(cfg, init_from_draft=str(tmp_path / "two-layer")))
+
+
 def test_a_reduced_vocabulary_draft_warm_starts_from_a_full_one_with_its_markov_rows(tmp_path):
     target, items, cfg = _bigram_setup(tmp_path)
     saved = _save_perturbed_draft(target, cfg, tmp_path / "full", seed=6)

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 
 from ..chat_text import trim_after_eos
 from ..model.modeling_dspark import DSparkDraftModel
-from ..scheduling.step_rates import shared_cost_model
+from ..scheduling.shared_cost import shared_cost_model
 from .evaluation import left_padded
 
 

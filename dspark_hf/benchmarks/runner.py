@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.policies import FixedLengthPolicy, ThresholdPolicy
 from ..decoding.rounds import RoundStats
-from ..scheduling.step_rates import shared_cost_model
+from ..scheduling.shared_cost import shared_cost_model
 
 MODES = ("greedy", "sample")
 

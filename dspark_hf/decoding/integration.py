@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..model.configuration_dspark import is_dspark_config
 from .settings import dspark_kwargs_of_call, mark_call_settings, refuse_lossy_settings
-from ..scheduling.step_rates import profile_rewrites_per_call
+from ..scheduling.shared_cost import profile_rewrites_per_call
 from .stopping import DeferredStreamer, ExactStopping, cut_output, positional_criteria
 
 _EXPECTED_PARAMETERS = (

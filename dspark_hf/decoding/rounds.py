@@ -24,6 +24,7 @@ It imports the policies' helpers (never the loops), so both loops may import it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -261,14 +262,18 @@ def record_gate_round(gate: GateRecorder | None, *, drafted: bool, verified: int
         drafting_seconds: the part spent drafting (draft forward, serial loop, schedule).
         sequences: rows in the round; a plain step produces one token per row.
 
-    A round that verified nothing was a plain target step, whether or not it drafted first: its
-    time without the drafting is what a plain step costs. Rounds that verified a context-lookup
-    proposal are not fed to the gate (they measure neither drafting nor plain steps).
+    Only rounds the gate decided are fed to it (some row would have drafted). A round the gate
+    turned off is a plain round: its tokens over its time, including the rows of a batch that
+    verified a context-lookup copy (they ride along whether or not the others draft, so both
+    rates carry them alike). A drafted round that verified nothing at all was a plain target step
+    too: its time without the drafting is what a plain step costs.
     """
     if gate is None:
         return
-    if drafted:
-        gate.record_drafted(produced, seconds)
+    if not drafted:
+        gate.record_plain(seconds, tokens=produced)
+        return
+    gate.record_drafted(produced, seconds)
     if verified == 0:
         gate.record_plain(seconds - drafting_seconds, tokens=sequences)
 
@@ -295,6 +300,9 @@ class RoundPlan:
             tokens are ``lookups[i].tokens`` or the row's drafted tokens in ``sample``.
         lookups: the rows whose source is a context-lookup copy (:meth:`source`).
         drafting: whether the draft ran this round.
+        gate_asked: whether the drafting gate decided it (some row would have drafted); those
+            rounds, drafted or not, teach the gate (rows verifying lookup copies included: they
+            ride along either way).
         draft_rows: the rows that drafted, (D,), in the order of ``sample``'s rows.
         sample: their serial sample (tokens, the logits they were drawn from, confidences).
         offered: per drafted row, the confidences the policy read: those offered one by one
@@ -313,6 +321,7 @@ class RoundPlan:
     lengths: list[int]
     lookups: dict[int, LookupProposal] = field(default_factory=dict)
     drafting: bool = False
+    gate_asked: bool = False
     draft_rows: torch.Tensor | None = None
     sample: SerialSample | None = None
     offered: list[list[float]] = field(default_factory=list)
@@ -356,6 +365,8 @@ class RoundDecisions:
         self.stats = stats
         self.batched = batched
         self.incremental = not batched and type(self.policy).start_round is not VerifyPolicy.start_round
+        # A policy written before admit_batch took min_width is called as it was.
+        self.batch_takes_width = "min_width" in inspect.signature(self.policy.admit_batch).parameters
         self.warned_non_finite = False
 
     # -- before the draft ----------------------------------------------------------------------
@@ -387,7 +398,8 @@ class RoundDecisions:
         """The rows the draft runs for: no lookup copy and room for a draft token. None when the
         drafting gate says drafting does not pay (asked only when some row would draft)."""
         wanting = [i for i, budget in enumerate(plan.budgets) if i not in plan.lookups and budget > 0]
-        if not wanting or (self.gate is not None and not self.gate.should_draft()):
+        plan.gate_asked = bool(wanting) and self.gate is not None
+        if not wanting or (plan.gate_asked and not self.gate.should_draft()):
             return []
         return wanting
 
@@ -447,7 +459,10 @@ class RoundDecisions:
         per_row: list[list[float]] = [[] for _ in plan.lengths]
         for i, offered in zip(drafted, plan.offered):
             per_row[i] = offered
-        admitted = self.policy.admit_batch(per_row)
+        # Lookup copies are fixed before the draft: the padded forward is at least as wide as the longest.
+        min_width = 1 + max((plan.lengths[i] for i in plan.lookups), default=0)
+        admitted = (self.policy.admit_batch(per_row, min_width=min_width) if self.batch_takes_width
+                    else self.policy.admit_batch(per_row))
         if not hasattr(admitted, "__len__") or len(admitted) != len(per_row):
             raise ValueError(f"{type(self.policy).__name__}.admit_batch returned {admitted!r}; it must return one "
                              f"verification length per request ({len(per_row)}).")
@@ -488,9 +503,8 @@ class RoundDecisions:
         drafting gate learn from it."""
         now = time.perf_counter()
         active, verify_time, round_seconds = len(plan.lengths), now - plan.verify_start, now - plan.round_start
-        # The scheduler's B counts one anchor per row and the proposed tokens; a batched forward's
-        # padding is charged to it.
-        self.policy.observe_verify(active + sum(plan.lengths), verify_time)
+        # The forward was a rectangle: every row padded to the longest proposal plus its anchor.
+        self.policy.observe_verify(active * (1 + max(plan.lengths)), verify_time)
         drafted = set(plan.draft_rows.tolist()) if plan.drafting else set()
         sps = self.lookup_sps() if choosers is not None else None
         for i, (row, verified, n) in enumerate(zip(rows, plan.lengths, accepted)):
@@ -501,7 +515,7 @@ class RoundDecisions:
             if choosers is not None:
                 record_source_round(choosers[i], plan.lookups.get(i), verified, n,
                                     round_seconds / max(verify_time, 1e-9), sps)
-        if not plan.lookups:
+        if plan.gate_asked:
             record_gate_round(self.gate, drafted=plan.drafting, verified=sum(plan.lengths),
                               produced=sum(accepted) + active, seconds=round_seconds,
                               drafting_seconds=plan.draft_time + plan.serial_time + plan.schedule_time,

@@ -51,7 +51,7 @@ from .context_lookup import ContextLookup
 from ..model.draft_runtime import GATE_FIELD, POLICY_FIELD, DraftRuntimeSettings, record_generation_stats
 from ..scheduling.drafting_gate import DraftingGate
 from ..scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
-from ..scheduling.step_rates import shared_cost_model
+from ..scheduling.shared_cost import cost_model_covering, shared_cost_model
 
 logger = logging.get_logger(__name__)
 
@@ -238,9 +238,11 @@ def resolve_verify_policy(draft: PreTrainedModel, target: PreTrainedModel, num_r
     ``dspark_verify_policy`` when set; else ``assistant_confidence_threshold`` (per-position
     threshold); else an adaptive ``num_assistant_tokens_schedule`` (the scheduler); else
     ``num_assistant_tokens`` (a fixed length); else the default: with a confidence head, a scheduler
-    on the target's live cost model (:func:`~dspark_hf.scheduling.step_rates.shared_cost_model`: a profiled
+    on the target's live cost model (:func:`~dspark_hf.scheduling.shared_cost.shared_cost_model`: a profiled
     prior, one per target and process, corrected by every round's verify time) for up to
-    ``num_rows * (gamma + 1)`` tokens; without one (DFlash), the full block.
+    ``gamma + 1`` tokens, or for a batch ``num_rows x (1 + the longest proposal)`` with the prior
+    profiled that far (:func:`~dspark_hf.scheduling.shared_cost.cost_model_covering`); without one
+    (DFlash), the full block.
     """
     choice, source = _policy_choice(draft, generation_config)
     has_confidence = draft.confidence_head is not None
@@ -254,7 +256,14 @@ def resolve_verify_policy(draft: PreTrainedModel, target: PreTrainedModel, num_r
                 f"num_assistant_tokens=n or {POLICY_FIELD}='fixed', or leave both unset (the full block)."
             )
         if choice == "scheduler":
-            return PrefixScheduler(cost_model=shared_cost_model(target), max_tokens=num_rows * (block_size + 1))
+            if num_rows == 1:
+                return PrefixScheduler(cost_model=shared_cost_model(target), max_tokens=block_size + 1)
+            # A batched forward is rows x (1 + the longest proposal, a draft block or a lookup copy).
+            lookup_tokens, _ = _setting("prompt_lookup_num_tokens", draft, generation_config)
+            if not isinstance(lookup_tokens, int) or isinstance(lookup_tokens, bool) or lookup_tokens < 0:
+                lookup_tokens = DEFAULT_LOOKUP_TOKENS  # an invalid value is refused with lookup's own message
+            widest = num_rows * (1 + max(block_size, lookup_tokens))
+            return PrefixScheduler(cost_model=cost_model_covering(target, widest), max_tokens=widest)
         if choice == "fixed":
             return FixedLengthPolicy(_draft_token_cap(draft, generation_config))
         threshold, _ = _threshold(draft, generation_config)

@@ -112,8 +112,8 @@ class StepCostModel:
         self.on_drift = on_drift
         self._lock = threading.Lock()
         self._observations = 0
-        self._recent: deque[float] = deque(maxlen=window)  # log ratios, any B
-        self._recent_by_size: dict[int, deque[float]] = {}
+        self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # (B, seconds), any B
+        self._recent_by_size: dict[int, deque[float]] = {}  # seconds per B
         self._size_window = size_window
         self._global = 0.0
         self._by_size: dict[int, float] = {}  # (1 - w) * g + w * m_B for observed sizes
@@ -169,20 +169,37 @@ class StepCostModel:
         """Records that a forward of ``num_tokens`` tokens took ``seconds``."""
         if num_tokens < 1 or not (math.isfinite(seconds) and seconds > 0):
             return  # a clock glitch or an empty round says nothing about the step time
-        log_ratio = math.log(seconds / self.prior(num_tokens))
         with self._lock:
             self._observations += 1
-            self._recent.append(log_ratio)
-            self._recent_by_size.setdefault(num_tokens, deque(maxlen=self._size_window)).append(log_ratio)
-            self._global = statistics.median(self._recent)
-            self._by_size = {}
-            for size, ratios in self._recent_by_size.items():
-                weight = len(ratios) / (len(ratios) + self.shrinkage)
-                self._by_size[size] = (1.0 - weight) * self._global + weight * statistics.median(ratios)
-            self._tables = {}
+            self._recent.append((num_tokens, seconds))
+            self._recent_by_size.setdefault(num_tokens, deque(maxlen=self._size_window)).append(seconds)
+            self._update_levels_locked()
             drifted = self._drifted_locked()
         if drifted and self.on_drift is not None:
             self.on_drift(self)
+
+    def extend_prior(self, prior_seconds: Sequence[float]) -> None:
+        """Replaces the prior by a longer profile (``B = 1..len(prior_seconds)``, at least as long
+        as the current one), keeping the observations: the levels are recomputed against it."""
+        prior = [float(t) for t in prior_seconds]
+        if len(prior) < len(self._prior) or not all(math.isfinite(t) and t > 0 for t in prior):
+            raise ValueError(f"extend_prior needs at least {len(self._prior)} positive finite step times, "
+                             f"got {len(prior)}.")
+        with self._lock:
+            self._prior = monotone_step_times(prior)
+            if self._observations:
+                self._update_levels_locked()
+            self._tables = {}
+
+    def _update_levels_locked(self) -> None:
+        """The global and per-size log corrections from the recent observations (caller holds the lock)."""
+        self._global = statistics.median(math.log(t / self.prior(b)) for b, t in self._recent)
+        self._by_size = {}
+        for size, times in self._recent_by_size.items():
+            weight = len(times) / (len(times) + self.shrinkage)
+            local = statistics.median(math.log(t / self.prior(size)) for t in times)
+            self._by_size[size] = (1.0 - weight) * self._global + weight * local
+        self._tables = {}
 
     def _drifted_locked(self) -> bool:
         if self._observations < self.min_observations:

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from .cost_model import StepCostModel
-from .step_rates import profile_sps, shared_cost_model
+from .shared_cost import shared_cost_model
+from .step_rates import profile_sps
 
 __all__ = [
     "VerifyPolicy",
@@ -150,11 +151,14 @@ class VerifyPolicy:
         """
         return offer_until_refused(self.start_round(), _as_float_list(confidences))
 
-    def admit_batch(self, confidences_per_request: Sequence[Sequence[float]]) -> list[int]:
+    def admit_batch(self, confidences_per_request: Sequence[Sequence[float]], *, min_width: int = 1) -> list[int]:
         """Decides the verification lengths of ``R`` requests decoded together.
 
         Args:
             confidences_per_request: one confidence sequence per request (lengths may differ).
+            min_width: tokens per row the batched verify forward has anyway (``1 +`` the longest
+                proposal already fixed this round, e.g. a context-lookup copy): the forward is
+                ``R x width`` tokens, padding included. Policies that do not weigh cost ignore it.
 
         Returns:
             One verification length per request, each in ``0..len(confidences_per_request[r])``.
@@ -297,8 +301,11 @@ class PrefixScheduler(VerifyPolicy):
     ``keep = k``.
 
     ``R`` requests: all candidates ``(r, j)`` with ``a_{r,j} = s_{r,j} > 0`` are admitted one at a
-    time in descending order of ``a`` (``B`` and ``E`` start at ``R``), stopping at the first
-    non-improving ``Theta``.
+    time in descending order of ``a``, stopping at the first non-improving ``Theta``. The batched
+    verify forward is a rectangle: every row is padded to the longest, so it costs
+    ``B = R x W`` tokens with ``W = 1 + max admitted j`` (at least ``min_width``), and ``E`` starts
+    at ``R``. A candidate that does not widen the rectangle is free and always improves ``Theta``;
+    one that widens it costs a whole column of ``R`` tokens.
     """
 
     requires_confidences = True
@@ -425,7 +432,8 @@ class PrefixScheduler(VerifyPolicy):
 
     # -- many requests -------------------------------------------------------------------------
 
-    def _admit_many(self, confidences_per_request: Sequence[Sequence[float]], trace: list[float] | None) -> list[int]:
+    def _admit_many(self, confidences_per_request: Sequence[Sequence[float]], trace: list[float] | None,
+                    min_width: int = 1) -> list[int]:
         num_requests = len(confidences_per_request)
         lengths = [0] * num_requests
         if num_requests == 0:
@@ -447,15 +455,15 @@ class PrefixScheduler(VerifyPolicy):
         candidates.sort(key=lambda candidate: -candidate[0])
 
         table = self.sps  # one snapshot per round (a live cost model may change between rounds)
-        tokens = num_requests  # B: one anchor token per request
+        width = max(1, int(min_width))  # W: tokens per row of the padded verify forward
         expected = float(num_requests)  # E: one bonus/corrected token per request
-        best = num_requests * _rate_from_table(table, tokens)
+        best = expected * _rate_from_table(table, num_requests * width)
         if trace is not None:
             trace.append(best)
         for survival, r, j in candidates:
-            tokens += 1
+            width = max(width, j + 1)
             expected += survival
-            theta = expected * _rate_from_table(table, tokens)
+            theta = expected * _rate_from_table(table, num_requests * width)
             if trace is not None:
                 trace.append(theta)
             # Early stop (see start_round): everything visited so far has a >= a_{r,j} and comes
@@ -468,15 +476,17 @@ class PrefixScheduler(VerifyPolicy):
             lengths[r] = j
         return lengths
 
-    def admit_batch(self, confidences_per_request: Sequence[Sequence[float]]) -> list[int]:
-        """Verification lengths for ``R`` requests decoded together (Algorithm 1)."""
-        return self._admit_many(confidences_per_request, None)
+    def admit_batch(self, confidences_per_request: Sequence[Sequence[float]], *, min_width: int = 1) -> list[int]:
+        """Verification lengths for ``R`` requests decoded together (Algorithm 1 on the padded
+        batch cost ``SPS(R x W)``; ``min_width``: see :meth:`VerifyPolicy.admit_batch`)."""
+        return self._admit_many(confidences_per_request, None, min_width)
 
-    def batch_throughputs(self, confidences_per_request: Sequence[Sequence[float]]) -> list[float]:
-        """The ``Theta`` values :meth:`admit_batch` evaluates, starting with ``R * SPS(R)`` and
-        ending with the first non-improving one (or the last candidate)."""
+    def batch_throughputs(self, confidences_per_request: Sequence[Sequence[float]], *,
+                          min_width: int = 1) -> list[float]:
+        """The ``Theta`` values :meth:`admit_batch` evaluates, starting with ``R * SPS(R * min_width)``
+        and ending with the first non-improving one (or the last candidate)."""
         trace: list[float] = []
-        self._admit_many(confidences_per_request, trace)
+        self._admit_many(confidences_per_request, trace, min_width)
         return trace
 
     def __repr__(self) -> str:

@@ -4,13 +4,12 @@
 the prefix scheduler (:mod:`dspark_hf.scheduling.policies`) weighs expected accepted tokens against it.
 :func:`profile_sps` measures it for a transformers causal LM the way a verify step really runs
 (``B`` new tokens on top of a cached context) and caches the table on disk;
-:func:`shared_cost_model` keeps one live :class:`~dspark_hf.scheduling.cost_model.StepCostModel` per target
-and process, built from the longest cached profile and corrected by the rounds' verify times.
+:mod:`dspark_hf.scheduling.shared_cost` keeps one live :class:`~dspark_hf.scheduling.cost_model.StepCostModel`
+per target and process, built from the longest cached profile this module wrote.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import json
@@ -18,10 +17,7 @@ import math
 import os
 import random
 import statistics
-import threading
 import time
-import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +27,16 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
-from .cost_model import StepCostModel, monotone_step_times
+from .cost_model import monotone_step_times
 from ..kernels.cpu_fast_path import is_optimized_for_cpu
 
 logger = logging.get_logger(__name__)
 
 __all__ = [
-    "DEFAULT_PROFILE_TOKENS",
     "fitted_context_length",
     "load_sps_profile",
     "max_positions",
-    "profile_rewrites_per_call",
     "profile_sps",
-    "shared_cost_model",
     "sps_cache_key",
 ]
 
@@ -460,137 +453,3 @@ def _write_record(path: Path, record: dict) -> bool:
         logger.warning("Could not write the SPS cache file %s (%s).", path, error)
         return False
 
-
-# ---------------------------------------------------------------------------------------------
-# The live cost model the default scheduler uses: one per target and process
-# ---------------------------------------------------------------------------------------------
-
-DEFAULT_PROFILE_TOKENS = 16
-_shared_cost_models: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, StepCostModel]]" = weakref.WeakKeyDictionary()
-_shared_lock = threading.Lock()
-
-
-def _longest_cached_profile(directory: Path, base_key: str) -> tuple[list[float], Path] | None:
-    lengths = []
-    for path in directory.glob(f"{base_key}-b*.json"):
-        try:
-            lengths.append(int(path.stem.rsplit("-b", 1)[1]))
-        except (IndexError, ValueError):
-            continue
-    for length in sorted(set(lengths), reverse=True):
-        found = _load_cached(directory, base_key, length)
-        if found is not None:
-            return found
-    return None
-
-
-_drift_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # targets whose drift was logged as a warning
-_call_scope = threading.local()  # .pending: {_ProfileDrift: StepCostModel} while a generate call runs
-
-
-class _ProfileDrift:
-    """What a shared cost model does when its live times drift from the profile (its ``on_drift``).
-
-    The first report for a target is a warning; later ones, in any call of this process, are
-    debug messages (a model whose times wander around a threshold would otherwise warn on every
-    crossing). Inside a generate call (:func:`profile_rewrites_per_call`) the cache file is
-    rewritten once, when the call ends, with the latest live estimate; outside one, at once.
-    """
-
-    def __init__(self, target: torch.nn.Module, path: Path, record: dict) -> None:
-        self._target = weakref.ref(target)
-        self.path, self.record = path, record
-
-    def __call__(self, cost_model: StepCostModel) -> None:
-        target = self._target()
-        with _shared_lock:
-            first = target is not None and target not in _drift_warned
-            if first:
-                _drift_warned.add(target)
-        log = logger.warning if first else logger.debug
-        log("The target's live step times differ from its profiled SPS table by up to x%.2f after %d rounds "
-            "(a profile taken under load, at another context length or on another machine state); the "
-            "scheduler uses the live times, and the cache file %s is updated with them (once per generate "
-            "call; later drift is logged at debug level).",
-            cost_model.drift(), cost_model.num_observations, self.path)
-        pending = getattr(_call_scope, "pending", None)
-        if pending is None:
-            self.rewrite(cost_model)
-        else:
-            pending[self] = cost_model
-
-    def rewrite(self, cost_model: StepCostModel) -> None:
-        """Writes the live estimate into the cache file the prior came from."""
-        length = cost_model.prior_length
-        updated = dict(self.record)
-        updated["fitted_step_seconds"] = cost_model.step_seconds(length)
-        updated["sps"] = list(cost_model.sps(length))
-        updated["live_corrected"] = {"observations": cost_model.num_observations, "updated_unix": time.time()}
-        _write_record(self.path, updated)
-
-
-@contextlib.contextmanager
-def profile_rewrites_per_call() -> Iterator[None]:
-    """Scope of one generate call (the dispatch runs every DSpark call in it): drift reports of the
-    shared cost models mark their cache file, and each marked file is rewritten once when the call
-    ends. Nested scopes belong to the outermost. Thread-local, as cost-model observations are made
-    by the thread running the call."""
-    if getattr(_call_scope, "pending", None) is not None:
-        yield
-        return
-    _call_scope.pending = {}
-    try:
-        yield
-    finally:
-        pending, _call_scope.pending = _call_scope.pending, None
-        for drift, cost_model in pending.items():
-            drift.rewrite(cost_model)
-
-
-def shared_cost_model(
-    model: torch.nn.Module,
-    *,
-    profile_tokens: int = DEFAULT_PROFILE_TOKENS,
-    context_length: int = 256,
-    cache_dir: str | os.PathLike | None = None,
-    progress: bool = True,
-) -> StepCostModel:
-    """The live cost model of ``model`` in this process (what the default scheduler uses).
-
-    Built once per target, process and environment (see :func:`sps_cache_key`), from the longest
-    SPS profile cached on disk (``dspark-hf profile`` writes one ahead of time), or else from a
-    fresh profile of ``profile_tokens`` tokens (a few seconds). Larger verify forwards (batched
-    decoding) are not profiled again: the table is extrapolated beyond its end and the observed
-    verify times correct it. When the live times drift far from the profile, a warning is logged
-    (once per target and process) and the cache file is rewritten with the live estimate (once
-    per generate call, see :func:`profile_rewrites_per_call`). On a target with few positions
-    (:func:`max_positions`), the profile is shortened to fit them: at most half of them new
-    tokens, the context the rest.
-    """
-    directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "sps"
-    limit = max_positions(model)
-    if limit is not None:  # a target with few positions (learned absolute ones) gets a shorter profile
-        profile_tokens = max(1, min(profile_tokens, limit // 2))
-    context_length = fitted_context_length(model, context_length, profile_tokens)
-    base_key = _base_key(model, context_length)
-    with _shared_lock:
-        per_model = _shared_cost_models.setdefault(model, {})
-        cost_model = per_model.get(base_key)
-        if cost_model is not None:
-            return cost_model
-        found = _longest_cached_profile(directory, base_key) if directory.is_dir() else None
-        if found is None:
-            sps = profile_sps(model, profile_tokens, context_length=context_length, cache_dir=cache_dir,
-                              use_cache=False, progress=progress)
-            path = directory / f"{base_key}-b{profile_tokens}.json"
-        else:
-            sps, path = found
-            logger.info("Using the cached SPS table %s as the cost model's prior.", path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError, RecursionError):
-            record = {"sps": sps}
-        cost_model = StepCostModel([1.0 / rate for rate in sps], on_drift=_ProfileDrift(model, path, record))
-        per_model[base_key] = cost_model
-        return cost_model

@@ -258,10 +258,10 @@ def make_draft(target: PreTrainedModel, cfg: TrainingConfig, draft_vocab_ids=Non
     )
     draft = draft.float()
     draft.config.num_anchors = cfg.anchors_per_sequence  # DeepSpec's field records what training used
+    if cfg.init_from_target:  # a warm start then overwrites all but the layers it adds
+        init_from_target_layers(draft, target)
     if cfg.init_from_draft:
         init_from_saved_draft(draft, cfg.init_from_draft)
-    elif cfg.init_from_target:
-        init_from_target_layers(draft, target)
     return draft
 
 
@@ -270,26 +270,44 @@ def init_from_saved_draft(draft: DSparkDraftModel, path: str | Path) -> None:
     """Starts training from a saved draft's weights (a warm start, e.g. v1 -> v2 on more data).
 
     The saved draft must have this run's architecture; its embedding and LM head, when saved, are
-    ignored because training borrows the target's frozen ones. One difference is allowed: a
+    ignored because training borrows the target's frozen ones. Two differences are allowed: a
     full-vocabulary draft may start a reduced-vocabulary one (``draft_vocab_ids``), whose N-wide
-    ``markov_w2`` then starts from the saved rows of those ids.
+    ``markov_w2`` then starts from the saved rows of those ids; and a draft may start a deeper one
+    (``--draft-layers`` above the saved count). Its layers become the first ones and each added layer
+    keeps its start (the target's layers) with its attention and MLP output projections zeroed, so the
+    added residual blocks are identities and the deeper draft starts out drafting exactly as the
+    saved one.
     """
     saved = DSparkDraftModel.from_pretrained(path, torch_dtype=torch.float32)
     narrowing = saved.draft_vocab_ids is None and draft.draft_vocab_ids is not None
+    saved_depth, depth = saved.config.num_hidden_layers, draft.config.num_hidden_layers
+    deepening = saved_depth < depth and list(saved.config.layer_types) == list(draft.config.layer_types)[:saved_depth]
     for key in ("block_size", "num_hidden_layers", "markov_rank", "markov_head_type", "target_layer_ids",
                 "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size",
                 "draft_vocab_size"):
         mine, theirs = getattr(draft.config, key, None), getattr(saved.config, key, None)
-        if mine != theirs and not (narrowing and key == "draft_vocab_size"):
+        if mine != theirs and not (narrowing and key == "draft_vocab_size") and not (
+                deepening and key == "num_hidden_layers"):
             raise ValueError(f"--init-from-draft {path}: its {key} is {theirs!r} but this run trains {mine!r}; "
-                             "pass training options that match the saved draft, or start without it.")
+                             "pass training options that match the saved draft (a deeper draft may start from a "
+                             "shallower one), or start without it.")
     weights = {k: v for k, v in saved.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    added = tuple(f"layers.{i}." for i in range(saved_depth, depth)) if deepening else ()
+    for prefix in added:
+        for name, param in draft.named_parameters():
+            if name.startswith(prefix) and name.endswith(("o_proj.weight", "o_proj.bias", "down_proj.weight",
+                                                          "down_proj.bias")):
+                weights[name] = torch.zeros_like(param)
+    if (not narrowing and draft.draft_vocab_ids is not None
+            and not torch.equal(saved.draft_vocab_ids, draft.draft_vocab_ids)):
+        logger.warning(f"--init-from-draft {path}: training keeps that draft's {saved.draft_vocab_ids.numel()}-id "
+                       "vocabulary (its Markov head's rows belong to those ids), not the one chosen from this data.")
     if narrowing:
         weights["draft_vocab_ids"] = draft.draft_vocab_ids
         if "markov_head.markov_w2.weight" in weights:
             weights["markov_head.markov_w2.weight"] = weights["markov_head.markov_w2.weight"][draft.draft_vocab_ids]
     missing, unexpected = draft.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head."))]
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head.") + added)]
     if missing or unexpected:
         raise ValueError(f"--init-from-draft {path}: weights do not fit (missing {missing}, unexpected {unexpected}).")
     logger.warning(f"Warm start from {path}.")
