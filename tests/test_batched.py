@@ -75,7 +75,11 @@ def test_rows_finish_independently_and_leave_the_batch(monkeypatch):
     assert kept_sizes and kept_sizes[0] == 1  # the two finished rows left after the prefill
 
 
-def test_pipeline_with_batch_size():
+def test_pipeline_with_batch_size(monkeypatch):
+    batches = []  # the rows of each batched DSpark call: the pipeline must reach the batched loop
+    original_run = batched.BatchedDSparkGeneration.run
+    monkeypatch.setattr(batched.BatchedDSparkGeneration, "run",
+                        lambda self: batches.append(self.num_rows) or original_run(self))
     words = [f"w{i}" for i in range(40)] + ["answer"]
     tokenizer = tiny_tokenizer(words)
     tokenizer.padding_side = "left"
@@ -87,8 +91,12 @@ def test_pipeline_with_batch_size():
     texts = ["w1 w2 w3", "w5", "w7 w8 w9 w10 w11", "w12 w13"]
     pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
     expected = [pipe(t, max_new_tokens=15, do_sample=False)[0]["generated_text"] for t in texts]
+    assert batches == []  # one prompt at a time goes through transformers' assisted loop
     got = pipe(texts, max_new_tokens=15, do_sample=False, assistant_model=draft, batch_size=4)
     assert [g[0]["generated_text"] for g in got] == expected
+    assert batches == [4], batches  # one batched call over the four prompts
+    stats = draft.last_generation_stats
+    assert {r.row for r in stats.rounds} == {0, 1, 2, 3} and stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("kwargs,match", [

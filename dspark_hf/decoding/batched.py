@@ -17,7 +17,9 @@ One round for the R' rows still running (:class:`BatchedDSparkGeneration`, one m
 5. accept: per row, a greedy match, or speculative sampling against the draft's exact logits
    (``q`` one-hot for a lookup copy);
 6. roll back and emit: per-row rollback of both caches; rows that finished (EOS, length, a
-   stopping criterion) leave the batch and stop costing verification.
+   stopping criterion) leave the batch and stop costing verification. The draft's context takes
+   the round's target features only when the draft next runs (all waiting rounds in one call), so
+   rounds that verify nothing cost what the target's own batched step costs plus bookkeeping.
 
 The round is a :class:`~dspark_hf.decoding.rounds.RoundPlan`, and each row's budget, source, verified
 length and record are decided by :class:`~dspark_hf.decoding.rounds.RoundDecisions`, the same code as at
@@ -243,6 +245,10 @@ class BatchedDSparkGeneration:
         self.draft_cache: DraftContextCache | None = None
         self.slot_mask = self.next_position = self.verify_positions = None
         self.first_real: list[int] = []
+        # The draft's context is brought up to date only when the draft runs: a batch whose rounds
+        # verify nothing (the gate off at large R) pays no draft work per round. Each entry is one
+        # round's (features, positions, kept slots), all (rows, slots, ...).
+        self.pending_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     # ----------------------------------------------------------------------------------- helpers
     def process(self, scores: torch.Tensor) -> torch.Tensor:
@@ -272,6 +278,7 @@ class BatchedDSparkGeneration:
             self.rounds.record(plan, accepted.tolist(), self.rows,
                                [self.choosers[r] for r in self.rows] if self.choosers is not None else None)
             if self.slot_mask.shape[1] > 32 and self.slot_mask.shape[1] > 2 * int(self.slot_mask.sum(dim=1).max()):
+                self.update_draft_context()  # both caches must hold the same slots to be compacted alike
                 self.slot_mask = _compact(self.cache, self.draft_cache, self.slot_mask)
         longest = max(self.num_generated)
         return self.sequences[:, : self.prompt_len + longest].clone()
@@ -308,6 +315,7 @@ class BatchedDSparkGeneration:
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, device=self.device)
             _select_rows(self.cache, self.draft_cache, index)
+            self.pending_context = [tuple(part[index.to(part.device)] for part in entry) for entry in self.pending_context]
             self.slot_mask, self.next_position = self.slot_mask[index], self.next_position[index]
             self.rows = [self.rows[i] for i in keep]
         return True
@@ -330,6 +338,7 @@ class BatchedDSparkGeneration:
         if not wanting:
             return
         t0 = time.perf_counter()
+        self.update_draft_context()
         active = len(self.rows)
         block_ids = torch.full((active, self.gamma), self.draft.config.mask_token_id, dtype=torch.long,
                                device=self.device)
@@ -396,9 +405,17 @@ class BatchedDSparkGeneration:
         """Only the anchor and the accepted tokens stay valid, in both caches (ragged slots)."""
         kept_slots = torch.arange(width, device=self.device)[None] <= accepted[:, None]
         self.slot_mask = torch.cat([self.slot_mask, kept_slots], dim=1)
-        self.draft.add_context(self.draft_cache, self.features(outputs, width),
-                               self.verify_positions.to(self.draft_device), kept_slots.to(self.draft_device))
+        self.pending_context.append((self.features(outputs, width), self.verify_positions.to(self.draft_device),
+                                     kept_slots.to(self.draft_device)))
         self.next_position = self.next_position + accepted + 1
+
+    def update_draft_context(self) -> None:
+        """Adds the rounds' target features not yet in the draft's context cache, in one call."""
+        if not self.pending_context:
+            return
+        features, positions, kept = (torch.cat(parts, dim=1) for parts in zip(*self.pending_context))
+        self.pending_context = []
+        self.draft.add_context(self.draft_cache, features, positions, kept)
 
     def emit(self, verify_ids: torch.LongTensor, accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Appends each row's accepted tokens and its next token, then applies the stopping criteria."""

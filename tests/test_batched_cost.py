@@ -1,0 +1,155 @@
+"""The cost of a batched round as the scheduler sees it: a padded rectangle of rows x (1 + the
+longest proposal); the prefill never a round; the prior extended to batched sizes; profiles never
+slowed by a loaded run; the draft's context brought up to date only when the draft runs."""
+
+import json
+import math
+
+import torch
+
+import dspark_hf.decoding.batched as batched
+from dspark_hf import PrefixScheduler, StepCostModel
+from dspark_hf.decoding.rounds import record_gate_round
+from dspark_hf.scheduling.drafting_gate import DraftingGate
+from dspark_hf.scheduling.shared_cost import _ProfileDrift
+from generation_helpers import left_pad
+from tiny_models import markov_draft, random_target, target_next_token_table
+
+VOCAB, BLOCK, EOS, PAD = 48, 4, 5, 0
+FLAT_SPS = [1 / (1 + 0.02 * b) for b in range(80)]
+
+
+class RecordingScheduler(PrefixScheduler):
+    """The scheduler with a live cost model, recording what it is told and asked."""
+
+    def __init__(self):
+        super().__init__(FLAT_SPS, live=True)
+        self.observed, self.widths = [], []
+
+    def observe_verify(self, num_tokens, seconds):
+        self.observed.append(num_tokens)
+        super().observe_verify(num_tokens, seconds)
+
+    def admit_batch(self, confidences_per_request, *, min_width=1):
+        self.widths.append(min_width)
+        return super().admit_batch(confidences_per_request, min_width=min_width)
+
+
+def _pair():
+    target = random_target("llama", eos_token_id=EOS, context_scale=0.5)
+    draft = markov_draft(target, target_next_token_table(target), block_size=BLOCK,
+                         confidence_logits=torch.linspace(-2, 4, VOCAB))
+    return target, draft
+
+
+def test_a_batched_round_is_observed_as_rows_times_its_padded_width_and_the_prefill_never(monkeypatch):
+    target, draft = _pair()
+    policy = RecordingScheduler()
+    draft.generation_config.dspark_verify_policy = policy
+    draft.generation_config.prompt_lookup_num_tokens = 6  # copies from the repeated prompts widen rounds
+    forwards = []  # (rows, width) of every verify forward
+    original_verify = batched.BatchedDSparkGeneration.verify
+
+    def verify(self, plan):
+        result = original_verify(self, plan)
+        forwards.append(tuple(result[1].shape))
+        return result
+
+    monkeypatch.setattr(batched.BatchedDSparkGeneration, "verify", verify)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [(torch.randint(6, VOCAB, (4,), generator=gen).tolist() * 4)[: 6 + 2 * i] for i in range(4)]
+    ids, mask = left_pad(prompts, PAD)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD,
+                          assistant_model=draft)
+    for i, prompt in enumerate(prompts):  # still lossless
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+        assert out[i, ids.shape[1]:].tolist()[: alone.shape[1] - len(prompt)] == alone[0, len(prompt):].tolist()
+    assert policy.observed == [rows * width for rows, width in forwards]  # one per round, prefill excluded
+    assert any(width > 2 for _, width in forwards) and any(w > 1 for w in policy.widths), (forwards, policy.widths)
+    stats = draft.last_generation_stats
+    assert {r.source for r in stats.rounds} == {"dspark", "lookup"}
+
+
+def test_at_batch_size_one_the_prefill_is_not_a_round_either():
+    target, draft = _pair()
+    policy = RecordingScheduler()
+    draft.generation_config.dspark_verify_policy = policy
+    target.generate(torch.tensor([[7, 8, 9, 10]]), max_new_tokens=30, do_sample=False, pad_token_id=PAD,
+                    assistant_model=draft)
+    stats = draft.last_generation_stats
+    assert policy.observed == [1 + r.verified for r in stats.rounds]
+
+
+def test_extending_the_prior_keeps_what_the_rounds_taught():
+    model = StepCostModel([1.0, 1.0])
+    for _ in range(20):
+        model.observe(2, 2.0)  # live: twice the prior
+    assert math.isclose(model.seconds(2), 2.0)
+    model.extend_prior([0.5, 0.5, 0.6, 0.8])  # a longer profile, faster at B = 2
+    assert model.prior_length == 4 and model.num_observations == 20
+    assert math.isclose(model.seconds(2), 2.0)  # the observations still say 2 s
+    assert math.isclose(model.seconds(4), 0.8 * 4.0)  # the global level (x4 over this prior) carries over
+
+
+def test_a_drifted_profile_is_rewritten_only_where_the_live_times_are_faster(tmp_path):
+    path = tmp_path / "profile.json"
+    record = {"sps": [1.0, 0.5]}
+    path.write_text(json.dumps(record))
+    drift = _ProfileDrift(torch.nn.Linear(1, 1), path, record)
+    slower = StepCostModel([1.0, 2.0])
+    for _ in range(20):
+        slower.observe(1, 50.0)  # a loaded machine: x50
+    drift.rewrite(slower)
+    assert json.loads(path.read_text()) == record  # untouched: load must not slow the profile down
+    faster = StepCostModel([1.0, 2.0])
+    for _ in range(20):
+        faster.observe(1, 0.5)
+        faster.observe(2, 4.0)  # faster at B = 1, slower at B = 2
+    drift.rewrite(faster)
+    rewritten = json.loads(path.read_text())
+    fitted = rewritten["fitted_step_seconds"]
+    assert fitted[0] == faster.step_seconds(2)[0] < 1.0 and fitted[1] == 2.0  # the faster size only
+    assert rewritten["sps"] == [1 / fitted[0], 0.5] and rewritten["live_corrected"]["observations"] == 40
+
+
+def test_the_gate_learns_rounds_it_turned_off_even_with_lookup_rows_riding_along():
+    gate = DraftingGate(min_rounds=1)
+    record_gate_round(gate, drafted=True, verified=8, produced=6, seconds=1.0, drafting_seconds=0.2, sequences=4)
+    record_gate_round(gate, drafted=False, verified=5, produced=9, seconds=1.0, drafting_seconds=0.0, sequences=4)
+    assert gate.drafted_rate() == 6.0 and gate.plain_rate() == 9.0  # 4 plain tokens + a lookup row's 5
+    assert not gate.should_draft()
+
+
+def test_the_draft_context_deferred_to_the_next_draft_equals_one_updated_every_round(monkeypatch):
+    target, draft = _pair()
+    draft.generation_config.prompt_lookup_num_tokens = 0
+    ids, mask = left_pad([[7, 8, 9], [10, 11, 12, 13, 14]], PAD)
+    caches = {}
+    original_run = batched.BatchedDSparkGeneration.run
+    original_roll_back = batched.BatchedDSparkGeneration.roll_back
+
+    def run(self):
+        result = original_run(self)
+        self.update_draft_context()
+        caches[self.eager] = (self.draft_cache, self.waited)
+        return result
+
+    def roll_back(self, *args):
+        original_roll_back(self, *args)
+        self.waited = max(getattr(self, "waited", 0), len(self.pending_context))
+        if self.eager:
+            self.update_draft_context()
+
+    monkeypatch.setattr(batched.BatchedDSparkGeneration, "run", run)
+    monkeypatch.setattr(batched.BatchedDSparkGeneration, "roll_back", roll_back)
+    for eager in (False, True):
+        monkeypatch.setattr(batched.BatchedDSparkGeneration, "eager", eager, raising=False)
+        # No draft token this call: every round is a plain step, so the deferred context piles up.
+        target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
+                        assistant_model=draft, num_assistant_tokens=0)
+    (deferred, waited), (eager, _) = caches[False], caches[True]
+    assert waited > 5  # the rounds' features waited for one update
+    assert deferred.length == eager.length
+    assert torch.equal(deferred.key_mask, eager.key_mask)
+    for mine, theirs in zip(deferred.keys + deferred.values, eager.keys + eager.values):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
