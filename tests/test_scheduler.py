@@ -479,7 +479,7 @@ def test_from_model_builds_a_scheduler(tiny_llama, tmp_path):
 
 
 def test_drafting_gate_explores_then_skips_with_probes():
-    gate = DraftingGate(window=4, probe_every=5, min_rounds=2)
+    gate = DraftingGate(window=4, probe_every=5, min_rounds=2, probe_budget=10.0)  # probe_every governs
     assert gate.should_draft()  # nothing observed yet
     gate.record_drafted(1, 0.15)  # 1 token in 150 ms: a draft that never hits
     assert gate.should_draft()  # fewer than min_rounds drafted rounds
@@ -488,6 +488,19 @@ def test_drafting_gate_explores_then_skips_with_probes():
     gate.record_plain(0.06)  # a plain step: 1 token in 60 ms beats 1 in 150 ms
     decisions = [gate.should_draft() for _ in range(10)]
     assert decisions == [False, False, False, False, True] * 2  # one probe in every probe_every rounds
+
+
+def test_drafting_gate_spaces_costly_probes_to_keep_within_its_budget():
+    gate = DraftingGate(window=4, probe_every=5, min_rounds=1)  # probe_budget 2%
+    gate.record_drafted(16, 0.30)  # a batch of 16 rows: a drafted round costs 300 ms
+    gate.record_plain(0.12, tokens=16)  # a plain batched step 120 ms: 133 tokens/s beats 53
+    assert gate.probe_interval() == 75  # (0.30 - 0.12) / (0.02 * 0.12)
+    decisions = [gate.should_draft() for _ in range(150)]
+    assert decisions.count(True) == 2 and decisions[74] and decisions[149]
+    cheap = DraftingGate(window=4, probe_every=5, min_rounds=1)
+    cheap.record_drafted(1, 0.0605)
+    cheap.record_plain(0.06)
+    assert cheap.probe_interval() == 5  # a probe barely dearer than a plain step: probe_every
 
 
 def test_drafting_gate_resumes_when_drafting_pays_again():

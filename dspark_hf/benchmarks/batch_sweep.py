@@ -1,8 +1,24 @@
 """The batch-size sweep of ``dspark-hf bench --batch-sizes``: batched DSpark against transformers'
-batched generation and against DSpark one request at a time."""
+own batched generation, greedy and sampled, with the limit the measured step curve allows.
+
+For each batch size R and mode, at least ``min_prompts`` prompts run as batches of R left-padded
+rows (the prompts taken in turn from the shared sets), target and DSpark back to back per batch in
+an order that alternates, so the machine's drift hits both alike. Per R and mode the row gives both
+throughputs (every row's tokens up to its EOS, over the wall time), their ratio, whether greedy
+outputs are identical, and from DSpark's rounds: tokens per row and round ``tau_batch``, the mean
+verified tokens ``sum_r (1 + k_r)`` and padded forward ``R x W`` per round, the draft's time per
+round, the share of rounds that drafted, and the cost model's drift at the end. The limit
+
+    limit = tau_batch * T(R) / (T(sum_r (1 + k_r)) + T_draft(R))
+
+evaluates the speed-up those rounds could give with no overhead at all, ``T`` read from the
+target's profiled step curve (the cost model's prior) and ``T_draft`` measured; ``limit_padded``
+puts the padded forward ``T(R x W)`` in place of ``T(sum)``, which is what the batched forward costs.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -11,8 +27,34 @@ from transformers import PreTrainedModel
 
 from ..chat_text import trim_after_eos
 from ..model.modeling_dspark import DSparkDraftModel
-from ..scheduling.shared_cost import shared_cost_model
+from ..scheduling.shared_cost import cost_model_covering
 from .evaluation import left_padded
+
+MODES = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)}
+
+
+def _round_figures(stats) -> dict:
+    """Per-round means over one batched call's :class:`RoundStats` (one per row and round)."""
+    rounds = sum(1.0 / r.batch_rows for r in stats.rounds)
+    if not rounds:
+        return {"rounds": 0.0}
+    return {
+        "rounds": rounds,
+        "row_rounds": len(stats.rounds),
+        "produced": stats.accepted_tokens + len(stats.rounds),
+        "verified_tokens": sum(1 + r.verified for r in stats.rounds),  # sum over rounds of sum_r (1 + k_r)
+        "padded_tokens": sum(r.batch_width for r in stats.rounds),  # sum over rounds of R x W
+        "draft_seconds": sum(r.draft_time + r.serial_time for r in stats.rounds),
+        "drafted_row_rounds": sum(r.drafted for r in stats.rounds),
+    }
+
+
+def _combine(parts: list[dict]) -> dict:
+    total: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 @torch.no_grad()
@@ -22,64 +64,69 @@ def run_batch_sweep(
     prompts: list[list[int]],
     batch_sizes: list[int],
     *,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = 128,
+    min_prompts: int = 8,
+    modes: tuple[str, ...] = ("greedy", "sample"),
     pad_token_id: int = 0,
     progress: bool = True,
 ) -> list[dict]:
-    """Greedy tokens/s at each batch size R for: transformers' batched generation without
-    speculation, batched DSpark (default policy: the scheduler on the live cost model, for up to
-    R * (gamma + 1) tokens), and DSpark at R = 1 over the same R prompts one after another. The three run
-    back to back per R, in a rotating order. Also reports the mean verified length per row and
-    round, and whether every DSpark row equals the batched target's row."""
+    """One row per (R, mode): see the module docstring. Sampled runs draw from seeds fixed per
+    batch (the same for target and DSpark; their outputs differ, as their random draws do)."""
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    # One profile covering the largest batch; the smaller batches' tables are read from it.
-    shared_cost_model(target, progress=progress)  # profiled once; larger batches extrapolate and learn live
+    block = draft.config.block_size
+    # The prior covers the largest batched forward (profiled once, cached): the limit column reads it.
+    cost_model = cost_model_covering(target, max(batch_sizes) * (1 + max(block, 10)), progress=progress)
     results = []
-    for turn, size in enumerate(tqdm(batch_sizes, desc="batch sizes", disable=not progress)):
-        batch = [prompts[i % len(prompts)] for i in range(size)]
-        ids, mask = left_padded(batch, pad_token_id)
-        common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
-        # Untimed warm-up: profiles (or loads) the SPS table for this R.
-        target.generate(ids[:, -4:], attention_mask=mask[:, -4:], max_new_tokens=2, do_sample=False,
-                        pad_token_id=pad_token_id, assistant_model=draft)
-        row = {"batch_size": size}
-        outputs = {}
-
-        def batched_target():
-            return target.generate(ids, attention_mask=mask, **common)
-
-        def batched_dspark():
-            out = target.generate(ids, attention_mask=mask, assistant_model=draft, **common)
-            stats = draft.last_generation_stats
-            row["mean_verified_per_row_round"] = stats.verified_tokens / max(stats.num_rounds, 1)
-            row["tau_per_row"] = stats.mean_accepted_length
-            return out
-
-        def dspark_one_at_a_time():
-            rows = []
-            for p in batch:
-                single = torch.tensor([p])
-                out = target.generate(single, attention_mask=torch.ones_like(single), assistant_model=draft,
-                                      **common)
-                rows.append(out[0, len(p):].tolist())
-            return rows
-
-        runs = [("target_batched", batched_target), ("dspark_batched", batched_dspark),
-                ("dspark_r1", dspark_one_at_a_time)]
-        for name, run in runs[turn % 3:] + runs[: turn % 3]:
-            start = time.perf_counter()
-            out = run()
-            seconds = time.perf_counter() - start
-            token_rows = out if name == "dspark_r1" else out[:, ids.shape[1]:].tolist()
-            generated = [trim_after_eos(r, eos_ids) for r in token_rows]
-            outputs[name] = generated
-            row[f"{name}_tokens_per_s"] = sum(len(g) for g in generated) / seconds
-        row["speedup_vs_batched_target"] = row["dspark_batched_tokens_per_s"] / row["target_batched_tokens_per_s"]
-        row["speedup_vs_dspark_r1"] = row["dspark_batched_tokens_per_s"] / row["dspark_r1_tokens_per_s"]
-        row["identical_to_target"] = outputs["dspark_batched"] == outputs["target_batched"]
+    jobs = [(size, mode) for size in batch_sizes for mode in modes]
+    for turn, (size, mode) in enumerate(tqdm(jobs, desc="batch sweep", disable=not progress)):
+        count = max(min_prompts, size)
+        count = math.ceil(count / size) * size
+        batches = [[prompts[(start + i) % len(prompts)] for i in range(size)] for start in range(0, count, size)]
+        seconds = {"target": 0.0, "dspark": 0.0}
+        tokens = {"target": 0, "dspark": 0}
+        identical, figures = True, []
+        warm_ids, warm_mask = left_padded(batches[0], pad_token_id)
+        target.generate(warm_ids, attention_mask=warm_mask, max_new_tokens=2, pad_token_id=pad_token_id,
+                        assistant_model=draft, **MODES[mode])  # untimed: the settings' first-call work
+        for index, batch in enumerate(batches):
+            ids, mask = left_padded(batch, pad_token_id)
+            outputs = {}
+            order = ("target", "dspark") if (turn + index) % 2 == 0 else ("dspark", "target")
+            for name in order:
+                extra = {"assistant_model": draft} if name == "dspark" else {}
+                torch.manual_seed(1000 * turn + index)
+                start = time.perf_counter()
+                out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      pad_token_id=pad_token_id, **MODES[mode], **extra)
+                seconds[name] += time.perf_counter() - start
+                outputs[name] = [trim_after_eos(row, eos_ids) for row in out[:, ids.shape[1]:].tolist()]
+                tokens[name] += sum(len(row) for row in outputs[name])
+                if name == "dspark":
+                    figures.append(_round_figures(draft.last_generation_stats))
+            identical &= outputs["dspark"] == outputs["target"]
+        rates = {name: tokens[name] / seconds[name] for name in seconds}
+        total = _combine(figures)
+        rounds = total.get("rounds") or 1.0
+        tau = total.get("produced", 0) / max(total.get("row_rounds", 0), 1)
+        mean_verified = total.get("verified_tokens", 0) / rounds
+        mean_padded = total.get("padded_tokens", 0) / rounds
+        draft_per_round = total.get("draft_seconds", 0.0) / rounds
+        step_r = cost_model.prior(size)
+        row = {
+            "batch_size": size, "mode": mode, "prompts": count, "max_new_tokens": max_new_tokens,
+            "target_batched_tokens_per_s": rates["target"], "dspark_batched_tokens_per_s": rates["dspark"],
+            "speedup_vs_batched_target": rates["dspark"] / rates["target"],
+            "identical_to_target": identical if mode == "greedy" else None,
+            "tau_batch": tau, "mean_verified_tokens_per_round": mean_verified,
+            "mean_padded_tokens_per_round": mean_padded, "draft_ms_per_round": 1e3 * draft_per_round,
+            "drafted_share": total.get("drafted_row_rounds", 0) / max(total.get("row_rounds", 0), 1),
+            "limit": tau * step_r / (cost_model.prior(max(1, round(mean_verified))) + draft_per_round),
+            "limit_padded": tau * step_r / (cost_model.prior(max(1, round(mean_padded))) + draft_per_round),
+            "cost_model_drift": cost_model.drift(),
+        }
         results.append(row)
     return results
 
 
-__all__ = ["run_batch_sweep"]
+__all__ = ["MODES", "run_batch_sweep"]

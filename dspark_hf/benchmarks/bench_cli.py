@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", nargs="*", type=int, default=None,
                         help="also sweep batched greedy generation over these R (e.g. 1 2 4 8 16)")
     parser.add_argument("--sweep-only", action="store_true", help="run only the batch-size sweep")
-    parser.add_argument("--sweep-new-tokens", type=int, default=64, help="new tokens per row in the sweep")
+    parser.add_argument("--sweep-new-tokens", type=int, default=128, help="new tokens per row in the sweep")
+    parser.add_argument("--sweep-prompts", type=int, default=8,
+                        help="prompts per batch size in the sweep (at least R; rounded up to whole batches)")
+    parser.add_argument("--sweep-modes", nargs="+", choices=["greedy", "sample"], default=["greedy", "sample"],
+                        help="the sweep's modes (sample: temperature 1, no top-k/top-p)")
     parser.add_argument("--out", default="results/bench")
     parser.add_argument("--dtype", choices=sorted(BENCH_DTYPES), default="float32",
                         help="dtype of the target and the drafts (default float32; greedy outputs are compared with "
@@ -177,12 +181,15 @@ def sweep_and_write(args, target, tokenizer, drafts, prompts, result: dict, out:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sweep_prompts = [p for dataset_prompts in prompts.values() for p in dataset_prompts]
     sweep = run_batch_sweep(target, drafts["dspark"], sweep_prompts, args.batch_sizes,
-                            max_new_tokens=args.sweep_new_tokens, pad_token_id=pad)
+                            max_new_tokens=args.sweep_new_tokens, min_prompts=args.sweep_prompts,
+                            modes=tuple(args.sweep_modes), pad_token_id=pad)
     result["batch_sweep"] = sweep
     (out / "batch_sweep.json").write_text(json.dumps({"environment": result["environment"], "settings": vars(args),
                                                       "rows": sweep}, indent=2))
-    table = (f"Greedy, {args.sweep_new_tokens} new tokens per row, prompts drawn in turn from "
-             f"{', '.join(args.datasets)}.\n\n" + batch_sweep_table(sweep))
+    table = (f"{' and '.join(args.sweep_modes)}, {args.sweep_new_tokens} new tokens per row, at least "
+             f"{args.sweep_prompts} prompts per R drawn in turn from {', '.join(args.datasets)}; target and "
+             "DSpark interleaved batch by batch. limit = tau_batch * T(R) / (T(sum(1 + k_r)) + T_draft(R)) from "
+             "the profiled step curve; limit (padded) with T(R x W).\n\n" + batch_sweep_table(sweep))
     (out / "batch_sweep.md").write_text(header + table)
     plot = plot_batch_sweep(sweep, out)
     print(header + table)
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     resolve_drafts(args, parser)
     if args.quick:
         args.num_prompts, args.max_new_tokens = min(args.num_prompts, 2), min(args.max_new_tokens, 48)
-        args.sweep_new_tokens = min(args.sweep_new_tokens, 24)
+        args.sweep_new_tokens, args.sweep_prompts = min(args.sweep_new_tokens, 24), min(args.sweep_prompts, 2)
     if args.threads:
         torch.set_num_threads(args.threads)
 

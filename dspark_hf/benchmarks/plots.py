@@ -92,23 +92,23 @@ def write_plots(rows: list[dict], sps_record: dict | None, out_dir: Path,
 
 
 def plot_batch_sweep(rows: list[dict], out_dir: Path) -> Path | None:
-    """batch_sweep.png: throughput and mean verified length against R (``None`` without matplotlib)."""
+    """batch_sweep.png: DSpark's speed-up over the target's own batched generation against R, per
+    mode, with the limit the measured step curve allows (``None`` without matplotlib)."""
     plt = _pyplot()
     if plt is None:
         return None
-    sizes = [r["batch_size"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in (("target_batched", "target, batched"), ("dspark_batched", "DSpark, batched"),
-                       ("dspark_r1", "DSpark, one at a time")):
-        left.plot(sizes, [r[f"{key}_tokens_per_s"] for r in rows], marker="o", label=label)
-    left.set_xscale("log", base=2)
-    left.set_xlabel("batch size R")
-    left.set_ylabel("tokens/s")
-    left.legend(fontsize=8)
-    right.plot(sizes, [r.get("mean_verified_per_row_round") or 0.0 for r in rows], marker="o")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("batch size R")
-    right.set_ylabel("draft tokens verified per row and round")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({r["mode"] for r in rows}):
+        mine = [r for r in rows if r["mode"] == mode]
+        sizes = [r["batch_size"] for r in mine]
+        line, = ax.plot(sizes, [r["speedup_vs_batched_target"] for r in mine], marker="o", label=f"{mode}: measured")
+        ax.plot(sizes, [r["limit_padded"] for r in mine], linestyle="--", color=line.get_color(),
+                label=f"{mode}: limit (padded forward)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size R")
+    ax.set_ylabel("DSpark / target batched (tokens/s)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path = out_dir / "batch_sweep.png"
     fig.savefig(path, dpi=120)

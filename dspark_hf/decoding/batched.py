@@ -9,9 +9,10 @@ One round for the R' rows still running (:class:`BatchedDSparkGeneration`, one m
 2. draft: one draft forward over the R' blocks ``[x0_r, MASK * (gamma - 1)]`` and serial sampling
    of the rows that draft (confidences ``c_{r,k}``); no draft forward when no row needs one, or
    when the drafting gate says drafting does not pay;
-3. schedule: ``policy.admit_batch`` over the drafted rows' confidences (paper Algorithm 1:
-   candidates ``(r, k)`` admitted by descending prefix survival while the expected throughput
-   ``E * SPS(total verified tokens)`` improves, with the early stop that keeps it lossless);
+3. schedule: ``policy.admit_batch`` over the drafted rows' confidences and the lookup copies'
+   estimated acceptance (paper Algorithm 1: candidates ``(r, k)`` admitted by descending prefix
+   survival while the expected throughput ``E * SPS(R x W)`` of the padded forward improves, with
+   the early stop that keeps it lossless);
 4. verify: one target forward over the ragged batch ``[x0_r, d_{r,1..k_r}]`` (right-padded to the
    longest row);
 5. accept: per row, a greedy match, or speculative sampling against the draft's exact logits
@@ -358,10 +359,10 @@ class BatchedDSparkGeneration:
         plan.draft_time, plan.serial_time = t1 - t0, time.perf_counter() - t1
 
     def schedule(self, plan: RoundPlan) -> None:
-        """The drafted rows' verification lengths (:meth:`RoundDecisions.admit`: ``admit_batch``
-        over every running row's confidences, one budget shared by all rows with each anchor
-        counted, then the cuts before the first non-finite position and after the first EOS)."""
-        if plan.drafting:
+        """The verification lengths of the drafted rows and the lookup copies
+        (:meth:`RoundDecisions.admit`: ``admit_batch`` over every running row's confidences on the
+        padded batch cost, then the cuts before the first non-finite position and after the first EOS)."""
+        if plan.drafting or plan.lookups:
             self.rounds.admit(plan)
 
     def verify(self, plan: RoundPlan):

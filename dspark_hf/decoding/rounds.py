@@ -69,7 +69,8 @@ class RoundStats:
     position is admitted. The serial loop and the policy are interleaved, so ``serial_time``
     includes the policy's decisions; ``schedule_time`` is what remains around them (EOS
     truncation, the lookup search). ``row`` is the sequence's index in the batch (0 at batch size 1);
-    batched generation records one ``RoundStats`` per running row and round.
+    batched generation records one ``RoundStats`` per running row and round, each with the round's
+    ``batch_rows`` and padded ``batch_width`` (its forward verified ``batch_rows x batch_width`` tokens).
     """
 
     verified: int
@@ -81,6 +82,8 @@ class RoundStats:
     drafted: bool = True
     source: str = "dspark"  # "dspark" (drafted or a plain step) or "lookup" (copied from the context)
     row: int = 0
+    batch_rows: int = 1  # rows in this round's verify forward
+    batch_width: int = 1  # tokens per row of that forward (1 + the longest proposal: padding included)
 
 
 @dataclass
@@ -220,9 +223,9 @@ def choose_lookup(chooser: SourceChooser, sequence: torch.LongTensor, budget: in
     """
     proposal = chooser.lookup.propose(sequence, budget)
     keep = chooser.choose(proposal, sps)
-    if keep > 0:
-        lengths = torch.tensor([keep], device=proposal.tokens.device)
-        keep = int(cut_after_first_eos(proposal.tokens[None, :keep], lengths, eos_token_ids)[0])
+    if keep > 0 and eos_token_ids is not None:  # at most max_tokens ids: read them once, cut on the host
+        tokens, stops = proposal.tokens[:keep].tolist(), set(eos_token_ids.flatten().tolist())
+        keep = next((k + 1 for k, token in enumerate(tokens) if token in stops), keep)
     return proposal, keep
 
 
@@ -299,6 +302,8 @@ class RoundPlan:
         lengths: proposal tokens each row verifies (0: a plain target step); the source's
             tokens are ``lookups[i].tokens`` or the row's drafted tokens in ``sample``.
         lookups: the rows whose source is a context-lookup copy (:meth:`source`).
+        lookup_confidences: per lookup row, the copy's estimated per-token acceptance (past rounds),
+            which the batched loop's joint admission reads.
         drafting: whether the draft ran this round.
         gate_asked: whether the drafting gate decided it (some row would have drafted); those
             rounds, drafted or not, teach the gate (rows verifying lookup copies included: they
@@ -320,6 +325,7 @@ class RoundPlan:
     budgets: list[int]
     lengths: list[int]
     lookups: dict[int, LookupProposal] = field(default_factory=dict)
+    lookup_confidences: dict[int, float] = field(default_factory=dict)
     drafting: bool = False
     gate_asked: bool = False
     draft_rows: torch.Tensor | None = None
@@ -361,6 +367,8 @@ class RoundDecisions:
         self.policy, self.gate, self.max_draft_tokens = settings.policy, settings.gate, settings.max_draft_tokens
         self.lookup_max_tokens = settings.lookup.max_tokens if settings.lookup is not None else 0
         self.target = target
+        # The batched gate's estimate of a plain step before it has timed one.
+        self.cost_model = getattr(self.policy, "cost_model", None) if batched else None
         self.eos_token_ids = eos_token_ids
         self.stats = stats
         self.batched = batched
@@ -392,6 +400,7 @@ class RoundDecisions:
             proposal, keep = choose_lookup(chooser, sequence, budget, sps, self.eos_token_ids)
             if keep > 0:
                 plan.lookups[i], plan.lengths[i] = proposal, keep
+                plan.lookup_confidences[i] = chooser.lookup.acceptance(proposal.ngram)
         plan.schedule_time += time.perf_counter() - start
 
     def drafting_rows(self, plan: RoundPlan) -> list[int]:
@@ -399,6 +408,9 @@ class RoundDecisions:
         drafting gate says drafting does not pay (asked only when some row would draft)."""
         wanting = [i for i, budget in enumerate(plan.budgets) if i not in plan.lookups and budget > 0]
         plan.gate_asked = bool(wanting) and self.gate is not None
+        if plan.gate_asked and self.batched and self.cost_model is not None:
+            rows = len(plan.budgets)  # a plain batched step: one token per row, a forward of R tokens
+            self.gate.plain_estimate = (rows, self.cost_model.seconds(rows))
         if not wanting or (plan.gate_asked and not self.gate.should_draft()):
             return []
         return wanting
@@ -417,9 +429,13 @@ class RoundDecisions:
         just after the first drafted EOS (:func:`cut_after_first_eos`). Warns once per call when a
         non-finite value was met. Reads the device with at most two transfers."""
         start = time.perf_counter()
-        sample, drafted = plan.sample, plan.draft_rows.tolist()
+        sample, drafted = plan.sample, plan.draft_rows.tolist() if plan.drafting else []
         budgets = [plan.budgets[i] for i in drafted]
-        if sample.num_admitted is not None:  # decided inside the serial loop (one row)
+        if not drafted:  # batched, no row drafted: only lookup copies to admit
+            plan.offered, usable = [], []
+            plan.admitted = self._policy_lengths(plan, drafted)
+            lengths, non_finite = [], False
+        elif sample.num_admitted is not None:  # decided inside the serial loop (one row)
             plan.offered, plan.admitted = [list(sample.offered or [])], [sample.num_admitted]
             lengths, usable = self._cut(sample, plan.admitted, None)
             # A non-finite confidence is refused by the built-in policies: it is the last offered.
@@ -459,14 +475,22 @@ class RoundDecisions:
         per_row: list[list[float]] = [[] for _ in plan.lengths]
         for i, offered in zip(drafted, plan.offered):
             per_row[i] = offered
-        # Lookup copies are fixed before the draft: the padded forward is at least as wide as the longest.
-        min_width = 1 + max((plan.lengths[i] for i in plan.lookups), default=0)
+        # A lookup copy widens the padded forward for every row, so a policy that weighs confidences
+        # admits its tokens jointly with the drafted ones, each offered at the copy's estimated
+        # per-token acceptance (from past rounds); other policies verify the copy the chooser kept,
+        # which fixes the forward's width before the draft.
+        joint = [i for i in plan.lookups if self.policy.requires_confidences]
+        for i in joint:
+            per_row[i] = [plan.lookup_confidences[i]] * plan.lengths[i]
+        min_width = 1 + max((plan.lengths[i] for i in plan.lookups if i not in joint), default=0)
         admitted = (self.policy.admit_batch(per_row, min_width=min_width) if self.batch_takes_width
                     else self.policy.admit_batch(per_row))
         if not hasattr(admitted, "__len__") or len(admitted) != len(per_row):
             raise ValueError(f"{type(self.policy).__name__}.admit_batch returned {admitted!r}; it must return one "
                              f"verification length per request ({len(per_row)}).")
         admitted = [checked_admission(self.policy, k, len(offer), "admit_batch") for k, offer in zip(admitted, per_row)]
+        for i in joint:
+            plan.lengths[i] = admitted[i]
         return [admitted[i] for i in drafted]
 
     def _cut(self, sample: SerialSample, admitted: list[int], usable: list[int] | None) -> tuple[list[int], list[int]]:
@@ -503,15 +527,16 @@ class RoundDecisions:
         drafting gate learn from it."""
         now = time.perf_counter()
         active, verify_time, round_seconds = len(plan.lengths), now - plan.verify_start, now - plan.round_start
-        # The forward was a rectangle: every row padded to the longest proposal plus its anchor.
-        self.policy.observe_verify(active * (1 + max(plan.lengths)), verify_time)
+        width = 1 + max(plan.lengths)  # the forward was a rectangle: every row padded to the longest
+        self.policy.observe_verify(active * width, verify_time)
         drafted = set(plan.draft_rows.tolist()) if plan.drafting else set()
         sps = self.lookup_sps() if choosers is not None else None
         for i, (row, verified, n) in enumerate(zip(rows, plan.lengths, accepted)):
             self.stats.rounds.append(RoundStats(
                 verified=verified, accepted=n, draft_time=plan.draft_time / active,
                 serial_time=plan.serial_time / active, schedule_time=plan.schedule_time / active,
-                verify_time=verify_time / active, drafted=i in drafted, source=plan.source(i), row=row))
+                verify_time=verify_time / active, drafted=i in drafted, source=plan.source(i), row=row,
+                batch_rows=active, batch_width=width))
             if choosers is not None:
                 record_source_round(choosers[i], plan.lookups.get(i), verified, n,
                                     round_seconds / max(verify_time, 1e-9), sps)

@@ -6,6 +6,8 @@ speculative decoding emits; it only spares the draft's cost where drafting does 
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["DraftingGate"]
 
 
@@ -27,25 +29,36 @@ class DraftingGate:
     token per sequence over their wall time. Both come from the last ``window`` rounds of each kind. A round
     that drafted but verified nothing also tells the time of a plain step (its wall time minus the
     drafting). While drafting is off, every ``probe_every``-th round drafts anyway, so a change of
-    content (prose turning into code) is noticed.
+    content (prose turning into code) is noticed. A probe costs what a drafted round costs beyond a
+    plain one, which grows with the batch (the draft runs for every row, the scheduler may verify
+    none of it), so probes are spaced further apart when needed to keep their extra time within
+    ``probe_budget`` of the plain rounds' time.
 
     Args:
         window: rounds of each kind the rates are computed over.
-        probe_every: while drafting does not pay, draft on one round in this many.
+        probe_every: while drafting does not pay, draft on one round in this many (at least).
         min_rounds: drafted rounds observed before the gate may turn drafting off.
+        probe_budget: the largest share of time probes may add while drafting is off.
     """
 
-    def __init__(self, window: int = 16, probe_every: int = 16, min_rounds: int = 4) -> None:
-        if window < 1 or probe_every < 1 or min_rounds < 1:
+    def __init__(self, window: int = 16, probe_every: int = 16, min_rounds: int = 4,
+                 probe_budget: float = 0.02) -> None:
+        if window < 1 or probe_every < 1 or min_rounds < 1 or not probe_budget > 0:
             raise ValueError(
-                f"DraftingGate needs window, probe_every and min_rounds >= 1, got {window}, {probe_every}, {min_rounds}."
+                f"DraftingGate needs window, probe_every and min_rounds >= 1 and probe_budget > 0, got {window}, "
+                f"{probe_every}, {min_rounds}, {probe_budget}."
             )
         self.window = window
         self.probe_every = probe_every
         self.min_rounds = min_rounds
+        self.probe_budget = probe_budget
         self._drafted: list[tuple[int, float]] = []  # (tokens produced, seconds)
         self._plain: list[tuple[int, float]] = []  # (tokens produced, seconds) of plain target steps
         self._skipped_in_a_row = 0
+        # (tokens, seconds) a plain round is expected to give, set by the caller from a cost model;
+        # read only while no plain round has been observed (a batch whose every round verifies
+        # something would otherwise never learn what drafting competes with).
+        self.plain_estimate: tuple[int, float] | None = None
 
     def drafted_rate(self) -> float | None:
         """Tokens per second of recent drafted rounds (None before any)."""
@@ -62,14 +75,27 @@ class DraftingGate:
     def should_draft(self) -> bool:
         """Whether to run the draft this round."""
         drafted, plain = self.drafted_rate(), self.plain_rate()
+        if plain is None and self.plain_estimate is not None:
+            plain = self.plain_estimate[0] / self.plain_estimate[1]
         if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain:
             self._skipped_in_a_row = 0
             return True
-        if self._skipped_in_a_row + 1 >= self.probe_every:
+        if self._skipped_in_a_row + 1 >= self.probe_interval():
             self._skipped_in_a_row = 0
             return True
         self._skipped_in_a_row += 1
         return False
+
+    def probe_interval(self) -> int:
+        """Rounds between probes while drafting is off: ``probe_every``, or more where a drafted
+        round's extra time over a plain round would exceed ``probe_budget`` of the plain rounds'."""
+        if not self._drafted or not (self._plain or self.plain_estimate):
+            return self.probe_every
+        drafted = sum(s for _, s in self._drafted) / len(self._drafted)
+        plain = (sum(s for _, s in self._plain) / len(self._plain) if self._plain
+                 else self.plain_estimate[1])
+        extra = max(drafted - plain, 0.0)
+        return max(self.probe_every, math.ceil(extra / max(self.probe_budget * plain, 1e-12)))
 
     def record_drafted(self, tokens: int, seconds: float) -> None:
         """A round that ran the draft produced ``tokens`` (accepted + bonus) in ``seconds``."""
@@ -80,5 +106,6 @@ class DraftingGate:
         self._plain = (self._plain + [(tokens, seconds)])[-self.window :]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every})"
+        return (f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every}, "
+                f"probe_budget={self.probe_budget})")
 
