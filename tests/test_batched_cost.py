@@ -169,3 +169,27 @@ def test_a_gate_that_never_saw_a_plain_round_compares_with_the_cost_models_estim
     assert not gate.should_draft()
     gate.plain_estimate = (8, 0.25)  # 32 tokens/s: drafting pays
     assert gate.should_draft()
+
+
+def test_lookup_search_rests_while_the_joint_admission_keeps_refusing_copies(monkeypatch):
+    import dspark_hf.decoding.context_lookup as context_lookup
+
+    target, draft = _pair()
+    # A forward of more than 4 tokens costs ten times one of 4: no copy ever pays for 4 rows.
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0] * 4 + [0.1] * 60)
+    draft.generation_config.prompt_lookup_num_tokens = 6
+    searches = []
+    original = context_lookup.ContextLookup.propose
+    monkeypatch.setattr(context_lookup.ContextLookup, "propose",
+                        lambda self, *a: searches.append(1) or original(self, *a))
+    prompts = [[7, 8, 9, 10] * 3, [11, 12, 13] * 4, [14, 15] * 5, [16, 17, 18, 19, 20] * 2]
+    ids, mask = left_pad(prompts, PAD)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=PAD,
+                          assistant_model=draft)
+    for i, prompt in enumerate(prompts):
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False, pad_token_id=PAD)
+        assert out[i, ids.shape[1]:].tolist()[: alone.shape[1] - len(prompt)] == alone[0, len(prompt):].tolist()
+    stats = draft.last_generation_stats
+    rounds = round(sum(1 / r.batch_rows for r in stats.rounds))
+    assert all(r.verified == 0 for r in stats.rounds if r.source == "lookup")
+    assert rounds > 40 and len(searches) < rounds, (len(searches), rounds)  # without resting: ~4 per round

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 logger = logging.get_logger(__name__)
 
+# Batched loop: after this many rounds in a row whose lookup copies were all refused, search for
+# copies only every LOOKUP_PROBE_EVERY-th round (the choice reads past rounds only: lossless).
+LOOKUP_REFUSALS_BEFORE_RESTING, LOOKUP_PROBE_EVERY = 8, 16
+
 __all__ = [
     "DSparkGenerationStats",
     "RoundDecisions",
@@ -376,6 +380,9 @@ class RoundDecisions:
         # A policy written before admit_batch took min_width is called as it was.
         self.batch_takes_width = "min_width" in inspect.signature(self.policy.admit_batch).parameters
         self.warned_non_finite = False
+        # Batched rounds in a row whose lookup copies the joint admission refused entirely: past a
+        # few, the rows draft instead and the per-row search (Python per row) rests.
+        self.lookup_refused, self.rounds_started = 0, 0
 
     # -- before the draft ----------------------------------------------------------------------
 
@@ -394,6 +401,9 @@ class RoundDecisions:
         (:func:`choose_lookup`, from the row's text so far, 1-D in ``sequences``, and its past
         rounds only); sets ``plan.lookups`` and those rows' ``plan.lengths``."""
         start = time.perf_counter()
+        self.rounds_started += 1
+        if self.lookup_refused >= LOOKUP_REFUSALS_BEFORE_RESTING and self.rounds_started % LOOKUP_PROBE_EVERY:
+            return  # batched: the joint admission kept refusing the copies; search again now and then
         sps = self.lookup_sps()
         for i, (chooser, sequence) in enumerate(zip(choosers, sequences)):
             budget = min(self.lookup_max_tokens, plan.room[i] - 1)
@@ -540,6 +550,9 @@ class RoundDecisions:
             if choosers is not None:
                 record_source_round(choosers[i], plan.lookups.get(i), verified, n,
                                     round_seconds / max(verify_time, 1e-9), sps)
+        if self.batched and plan.lookups:
+            admitted_any = any(plan.lengths[i] for i in plan.lookups)
+            self.lookup_refused = 0 if admitted_any else self.lookup_refused + 1
         if plan.gate_asked:
             record_gate_round(self.gate, drafted=plan.drafting, verified=sum(plan.lengths),
                               produced=sum(accepted) + active, seconds=round_seconds,
