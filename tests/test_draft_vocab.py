@@ -189,6 +189,19 @@ def test_reduced_head_runs_packed_when_the_target_is_prepared_for_cpu():
     assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft), plain)
 
 
+def test_reduced_head_packs_when_first_used_inside_inference_mode():
+    target = _target()
+    draft = _reduced_draft(target)
+    draft.bind_target(target)
+    dspark_hf.optimize_for_cpu(target, packed_min_rows=1)
+    hidden = torch.randn(1, 5, target.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():  # the gathered rows were built as inference tensors and could not be packed
+        inside = draft.draft_vocab_logits(hidden)
+    with torch.no_grad():  # and the cached rows still serve outside inference mode
+        torch.testing.assert_close(draft.draft_vocab_logits(hidden), inside)
+    torch.testing.assert_close(inside, hidden @ target.lm_head.weight[draft.draft_vocab_ids].T, rtol=1e-5, atol=1e-5)
+
+
 def _reduced_chi_square_draft(ids):
     from test_lossless_sampling import CONFIDENCE_LOGITS, DRAFT_PROBS, _log
 

@@ -145,14 +145,16 @@ def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCac
     weight, bias = head.weight, getattr(head, "bias", None)
 
     def build():
-        with torch.no_grad():
+        # Outside inference mode even when called inside it: an inference tensor cannot be packed
+        # (packing tracks the weight's version) nor reused outside inference mode later.
+        with torch.inference_mode(False), torch.no_grad():
             rows = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=weight.device,
                              dtype=weight.dtype)
             rows.weight.copy_(weight.index_select(0, ids.to(weight.device)))
             if bias is not None:
                 rows.bias.copy_(bias.index_select(0, ids.to(bias.device)))
-        rows.requires_grad_(False)
-        return packed_like(head, rows)
+            rows.requires_grad_(False)
+            return packed_like(head, rows)
 
     key = (_tensor_key(weight), _tensor_key(ids), None if bias is None else _tensor_key(bias), type(head))
     return cache.get(key, build)
