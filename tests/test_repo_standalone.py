@@ -86,7 +86,8 @@ def test_readme_setup_and_test_commands_are_what_ci_runs():
     assert install in ci and "python -m pytest -q" in ci
     assert f"```bash\n{install}\npython -m pytest -q\n```" in README
     assert "python examples/generate.py" in README
-    assert len(README) <= 12_500, f"README.md has {len(README)} characters; details belong in docs/"
+    # 13,500: the batched sweep table joined the results (issue 27); details still belong in docs/
+    assert len(README) <= 13_500, f"README.md has {len(README)} characters; details belong in docs/"
 
 
 def test_readme_results_are_a_measured_table_with_its_command():
