@@ -22,7 +22,8 @@ from test_context_lookup import EagerChooser
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table
 
 VOCAB, PAD = 24, 23
-FLAT_SPS = [100.0 - b for b in range(16)]  # verifying more costs little: DSpark's value is its acceptance
+# Verifying more costs little, for a whole padded batch too (B = rows x width): DSpark's value is its acceptance.
+FLAT_SPS = [100.0 - 0.25 * b for b in range(128)]
 
 
 def _two_region_pair(block_size=6):
