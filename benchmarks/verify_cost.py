@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_hf import optimize_for_cpu
+from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
 
@@ -44,11 +45,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the target's dtype (optimize_for_cpu leaves half-precision models as they are)")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     stock, _ = load_smollm2()
+    stock = stock.to(getattr(torch, args.dtype))
     start = time.perf_counter()
     prepared = optimize_for_cpu(copy.deepcopy(stock))
     pack_seconds = time.perf_counter() - start
@@ -64,14 +68,15 @@ def main(argv=None) -> dict:
                 if round_index:
                     samples[name][b].append(elapsed)
     medians = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in samples.items()}
-    print(f"context {args.context} tokens, {torch.get_num_threads()} threads, {args.repeats} interleaved rounds; "
-          f"packing took {pack_seconds:.2f} s")
+    env = capture_environment()
+    print(f"{env.get('cpu_model')}, {args.dtype}, context {args.context} tokens, {torch.get_num_threads()} threads, "
+          f"{args.repeats} interleaved rounds; packing took {pack_seconds:.2f} s")
     print("B    stock ms  prepared ms  stock T(B)/T(1)  prepared T(B)/T(1)  stock/prepared")
     for b in args.sizes:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
-    result = {"context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
+    result = {"environment": env, "dtype": args.dtype, "context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
               "median_seconds": medians}
     write_json_result(result, args.out)
     return result
