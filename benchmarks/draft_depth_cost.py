@@ -3,9 +3,9 @@
     python benchmarks/draft_depth_cost.py                  # SmolLM2 v3 draft, prepared for CPU
     python benchmarks/draft_depth_cost.py --depths 1 2 3 4 --context 512 --repeats 60
 
-A deeper draft starts as the shipped one with identity layers added (``--init-from-draft``, what
-``dspark-hf train --draft-layers N`` grows), so it drafts exactly as the shipped one and only its cost
-differs. Each depth runs one round's draft work on a cached context of ``--context`` target
+A deeper draft starts as the shipped one with identity layers added (the warm start of
+``dspark-hf train --draft-layers N --init-from-draft``, the same function here), so it drafts
+exactly as the shipped one and only its cost differs. Each depth runs one round's draft work on a cached context of ``--context`` target
 features: the block forward and the base logits over the draft vocabulary (what every drafted round
 pays before serial sampling). Depths run interleaved repeat by repeat; medians in milliseconds,
 and the ratio to one layer, are printed with the CPU model.
@@ -25,23 +25,22 @@ from dspark_hf import DSparkDraftModel, optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
+from dspark_hf.training.trainer import init_from_saved_draft
 
 DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 
 
-def deepened(draft: DSparkDraftModel, depth: int) -> DSparkDraftModel:
-    """``draft`` with ``depth`` layers: its own first, the rest copies of its last layer with the
-    attention and MLP output projections zeroed (identity blocks, as a warm start makes them)."""
-    config = copy.deepcopy(draft.config)
+def deepened(shipped_path: str, shipped: DSparkDraftModel, depth: int) -> DSparkDraftModel:
+    """The shipped draft grown to ``depth`` layers the way training grows it
+    (:func:`~dspark_hf.training.trainer.init_from_saved_draft`: its layers first, each added one an
+    identity block), so it drafts as the shipped one and only its cost differs."""
+    config = copy.deepcopy(shipped.config)
     config.num_hidden_layers = depth
     config.layer_types = [config.layer_types[0]] * depth
     deeper = DSparkDraftModel(config).eval()
-    deeper.load_state_dict(draft.state_dict(), strict=False)
-    with torch.no_grad():
-        for layer in deeper.layers[len(draft.layers):]:
-            layer.load_state_dict(draft.layers[-1].state_dict())
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+    if shipped.draft_vocab_ids is not None:  # the same vocabulary, so the warm start has nothing to report
+        deeper.draft_vocab_ids.copy_(shipped.draft_vocab_ids)
+    init_from_saved_draft(deeper, shipped_path)
     return deeper
 
 
@@ -58,7 +57,7 @@ def main(argv=None) -> dict:
     shipped = DSparkDraftModel.from_pretrained(args.draft).float().eval()
     drafts = {}
     for depth in args.depths:
-        draft = shipped if depth == len(shipped.layers) else deepened(shipped, depth)
+        draft = shipped if depth == len(shipped.layers) else deepened(args.draft, shipped, depth)
         draft.bind_target(target)
         drafts[depth] = optimize_for_cpu(draft)
     width = len(shipped.config.target_layer_ids) * shipped.config.hidden_size

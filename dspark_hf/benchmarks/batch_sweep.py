@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..chat_text import trim_after_eos
+from ..decoding.settings import DEFAULT_LOOKUP_TOKENS
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.shared_cost import cost_model_covering
 from .evaluation import left_padded
@@ -76,7 +77,8 @@ def run_batch_sweep(
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     block = draft.config.block_size
     # The prior covers the largest batched forward (profiled once, cached): the limit column reads it.
-    cost_model = cost_model_covering(target, max(batch_sizes) * (1 + max(block, 10)), progress=progress)
+    cost_model = cost_model_covering(target, max(batch_sizes) * (1 + max(block, DEFAULT_LOOKUP_TOKENS)),
+                                     progress=progress)
     results = []
     jobs = [(size, mode) for size in batch_sizes for mode in modes]
     for turn, (size, mode) in enumerate(tqdm(jobs, desc="batch sweep", disable=not progress)):

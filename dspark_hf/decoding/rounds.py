@@ -217,19 +217,19 @@ def cut_after_first_eos(tokens: torch.LongTensor, lengths: torch.Tensor,
 
 
 def choose_lookup(chooser: SourceChooser, sequence: torch.LongTensor, budget: int, sps: tuple[float, ...],
-                  eos_token_ids: torch.Tensor | None) -> tuple[LookupProposal | None, int]:
+                  eos_ids: frozenset[int]) -> tuple[LookupProposal | None, int]:
     """This round's lookup proposal for one sequence and how many of its tokens to verify.
 
     The chooser compares the lookup proposal's ``Theta = SPS(1 + l) * E[accepted + 1]`` with what
     recent DSpark rounds of this sequence delivered (:class:`~dspark_hf.decoding.context_lookup.SourceChooser`).
-    A length of 0 means the round drafts instead. The choice reads the sequence so far
-    (``sequence``, 1-D) and past rounds only, never a token about to be verified.
+    A length of 0 means the round drafts instead; a kept copy ends after its first id in
+    ``eos_ids`` (the call's EOS ids). The choice reads the sequence so far (``sequence``, 1-D) and
+    past rounds only, never a token about to be verified.
     """
     proposal = chooser.lookup.propose(sequence, budget)
     keep = chooser.choose(proposal, sps)
-    if keep > 0 and eos_token_ids is not None:  # at most max_tokens ids: read them once, cut on the host
-        tokens, stops = proposal.tokens[:keep].tolist(), set(eos_token_ids.flatten().tolist())
-        keep = next((k + 1 for k, token in enumerate(tokens) if token in stops), keep)
+    if keep > 0 and eos_ids:  # at most max_tokens ids: read them once, cut on the host
+        keep = next((k + 1 for k, token in enumerate(proposal.tokens[:keep].tolist()) if token in eos_ids), keep)
     return proposal, keep
 
 
@@ -374,6 +374,7 @@ class RoundDecisions:
         # The batched gate's estimate of a plain step before it has timed one.
         self.cost_model = getattr(self.policy, "cost_model", None) if batched else None
         self.eos_token_ids = eos_token_ids
+        self.eos_id_set = frozenset(eos_token_ids.flatten().tolist()) if eos_token_ids is not None else frozenset()
         self.stats = stats
         self.batched = batched
         self.incremental = not batched and type(self.policy).start_round is not VerifyPolicy.start_round
@@ -407,7 +408,7 @@ class RoundDecisions:
         sps = self.lookup_sps()
         for i, (chooser, sequence) in enumerate(zip(choosers, sequences)):
             budget = min(self.lookup_max_tokens, plan.room[i] - 1)
-            proposal, keep = choose_lookup(chooser, sequence, budget, sps, self.eos_token_ids)
+            proposal, keep = choose_lookup(chooser, sequence, budget, sps, self.eos_id_set)
             if keep > 0:
                 plan.lookups[i], plan.lengths[i] = proposal, keep
                 plan.lookup_confidences[i] = chooser.lookup.acceptance(proposal.ngram)
