@@ -7,7 +7,8 @@ import torch
 
 import dspark_hf.decoding.candidate_generator as candidate_generator
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
-from dspark_hf.decoding.context_lookup import ContextLookup, SourceChooser, expected_value
+from dspark_hf.decoding.context_lookup import (PRIOR_DSPARK_TOKENS, ContextLookup, LookupProposal, SourceChooser,
+                                               expected_value)
 from test_lossless_sampling import SPS, _chi_square_p_value
 from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table
 
@@ -41,18 +42,53 @@ def test_acceptance_estimate_and_expected_value():
         ContextLookup(max_tokens=0)
 
 
-def test_chooser_needs_dspark_history_and_probes_it():
-    chooser = SourceChooser(ContextLookup(prior_acceptance=0.9), min_rounds=2, probe_every=3)
+def test_chooser_prior_for_dspark_then_history_and_probes():
+    flat = (10.0,) * 12
     proposal = ContextLookup().propose(torch.tensor([1, 2, 3, 1, 2]), 5)
-    flat = (10.0,) * 8
-    assert chooser.choose(proposal, flat) == 0  # no DSpark history yet
-    chooser.record_dspark(1, 0, 1.0, flat)
-    chooser.record_dspark(1, 0, 1.0, flat)  # DSpark delivers 10 tokens/s, lookup is worth ~3.4 x 10
-    assert proposal.tokens.tolist() == [3, 1, 2] and chooser.choose(proposal, flat) == 3  # the whole proposal
-    chooser.record_lookup(proposal, 1, 1)
-    chooser.record_lookup(proposal, 1, 1)
-    assert chooser.choose(proposal, flat) == 0  # the probe: DSpark again after 2 lookup rounds
-    assert chooser.choose(None, flat) == 0
+    assert proposal.tokens.tolist() == [3, 1, 2]
+    # No DSpark round yet: prior rounds of PRIOR_DSPARK_TOKENS per plain step stand in (15 tokens/s here).
+    confident = SourceChooser(ContextLookup(prior_acceptance=0.9), min_rounds=2, probe_every=3)
+    assert confident.dspark_rate(flat) == pytest.approx(PRIOR_DSPARK_TOKENS * 10.0)
+    assert confident.choose(proposal, flat) == 3  # lookup worth ~3.4 x 10: a copy from the first round
+    doubtful = SourceChooser(ContextLookup(prior_acceptance=0.2), min_rounds=2, probe_every=3)
+    assert doubtful.choose(proposal, flat) == 0  # worth ~1.25 x 10 < 15: draft
+    doubtful.record_dspark(1, 0, 1.0, flat)
+    assert doubtful.dspark_rate(flat) == pytest.approx((1 + PRIOR_DSPARK_TOKENS) * 10.0 / 2)
+    doubtful.record_dspark(1, 0, 1.0, flat)  # measured: DSpark delivers 10 tokens/s, below lookup's 12.5
+    assert doubtful.dspark_rate(flat) == pytest.approx(10.0) and doubtful.choose(proposal, flat) == 3
+    doubtful.record_lookup(proposal, 1, 0)
+    doubtful.record_lookup(proposal, 1, 0)
+    assert doubtful.choose(proposal, flat) == 0  # the probe: DSpark again after 2 lookup rounds
+    assert doubtful.choose(None, flat) == 0
+
+
+def test_copy_in_progress_has_its_own_acceptance_estimate():
+    lookup = ContextLookup(prior_acceptance=0.5, continuing_prior_acceptance=0.8, prior_weight=2.0)
+    chooser = SourceChooser(lookup, probe_every=100)
+    proposal = LookupProposal(tokens=torch.arange(6), ngram=3)
+    assert chooser.acceptance(proposal) == pytest.approx(0.5)
+    chooser.record_lookup(proposal, 6, 2)  # a fresh match, broken after 2 tokens
+    assert not chooser.copying and chooser.acceptance(proposal) == pytest.approx((2 + 1) / (2 + 1 + 2))
+    chooser.record_lookup(proposal, 6, 6)  # a fresh match accepted whole: the next round continues it
+    assert chooser.copying and chooser.acceptance(proposal) == pytest.approx(0.8)
+    chooser.record_lookup(proposal, 6, 6)  # counted as a continuing round
+    assert chooser.acceptance(proposal) == pytest.approx((6 + 1.6) / (6 + 2))
+    chooser.record_lookup(proposal, 6, 2)  # the copy breaks: counted as continuing, then fresh again
+    assert not chooser.copying and chooser.acceptance(proposal) == pytest.approx((8 + 1) / (8 + 1 + 2))
+    assert lookup.acceptance(3, continuing=True) == pytest.approx((8 + 1.6) / (8 + 1 + 2))
+    chooser.record_lookup(proposal, 6, 6)
+    chooser.record_dspark(2, 3, 1.1, (10.0,) * 8)  # a DSpark round in between ends the copy
+    assert not chooser.copying
+
+
+def test_occurrence_whose_match_reaches_furthest_back_wins():
+    lookup = ContextLookup(max_tokens=2, max_ngram=2)
+    # "7 8" occurs twice before the end; the first occurrence is preceded by "4 5 6" like the end is.
+    seq = torch.tensor([4, 5, 6, 7, 8, 1, 2, 9, 7, 8, 3, 3, 0, 4, 5, 6, 7, 8])
+    assert lookup.propose(seq, 5).tokens.tolist() == [1, 2]  # the copy source, not the latest "7 8"
+    latest = torch.tensor([9, 7, 8, 1, 2, 9, 7, 8, 3, 4, 9, 7, 8])  # equal reach: the latest wins
+    assert lookup.propose(latest, 5).tokens.tolist() == [3, 4]
+    assert ContextLookup(max_tokens=2, max_ngram=2, max_context=2).propose(seq, 5).tokens.tolist() == [3, 3]
 
 
 def _cycle_target():
@@ -113,7 +149,7 @@ class EagerChooser(SourceChooser):
     sources run within the few rounds of a short generation (its choices read past rounds only)."""
 
     def __init__(self, lookup):
-        lookup._prior = (1.8, 0.2)
+        lookup._prior = [(1.8, 0.2), (1.8, 0.2)]  # fresh matches and copies in progress
         super().__init__(lookup, min_rounds=1, probe_every=3)
 
 

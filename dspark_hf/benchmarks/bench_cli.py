@@ -56,7 +56,7 @@ from ..scheduling.step_rates import load_sps_profile
 from .batch_sweep import run_batch_sweep
 from .environment import capture_environment, describe_environment
 from .plots import plot_batch_sweep, write_plots
-from .prompt_sets import DATASETS, load_eval_prompts
+from .prompt_sets import BENCH_DATASETS, load_eval_prompts
 from .runner import MODES, default_methods, run_benchmark
 from .shipped_drafts import DFLASH_DRAFT, DRAFTS_ENV, DSPARK_DRAFT, missing_draft_message, shipped_drafts_dir
 from .summary import batch_sweep_table, markdown_table, summarize
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafts folder)")
     parser.add_argument("--candidate", help="a second DSpark draft (folder or Hub id), run with its defaults as "
                         "methods candidate-scheduler and candidate-no-lookup in the same interleaved run")
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--datasets", nargs="+", default=list(BENCH_DATASETS))
     parser.add_argument("--prompt-dir", help="folder with <dataset>.jsonl (default: $DSPARK_EVAL_PROMPTS, else the "
                         "sets shipped in dspark_hf/benchmarks/eval_prompts)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)

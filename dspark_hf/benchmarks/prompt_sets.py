@@ -1,4 +1,5 @@
-"""The evaluation prompt sets (GSM8K, HumanEval, MT-Bench) that every benchmark runs on.
+"""The evaluation prompt sets (GSM8K, HumanEval, MT-Bench) that every benchmark runs on, and the
+copy-heavy set that ``dspark-hf bench`` adds.
 
 They ship inside the package in ``dspark_hf/benchmarks/eval_prompts/`` (sources and licences in
 its README), so benchmarks work from any install; ``$DSPARK_EVAL_PROMPTS`` or an explicit folder
@@ -12,6 +13,10 @@ import os
 from pathlib import Path
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
+# Prompts whose answers copy long spans (code edits, quotations, multiple choice), built from the Python
+# standard library by benchmarks/build_copy_heavy.py: a speed set only (no reference answers, no tau protocol).
+COPY_HEAVY = "copy-heavy"
+BENCH_DATASETS = DATASETS + (COPY_HEAVY,)
 PACKAGED_PROMPT_DIR = Path(__file__).resolve().parent / "eval_prompts"
 
 
@@ -39,4 +44,4 @@ def load_eval_prompts(dataset: str, limit: int | None = None, prompt_dir: str | 
     return prompts
 
 
-__all__ = ["DATASETS", "PACKAGED_PROMPT_DIR", "default_prompt_dir", "load_eval_prompts"]
+__all__ = ["BENCH_DATASETS", "COPY_HEAVY", "DATASETS", "PACKAGED_PROMPT_DIR", "default_prompt_dir", "load_eval_prompts"]

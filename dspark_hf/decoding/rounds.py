@@ -411,7 +411,7 @@ class RoundDecisions:
             proposal, keep = choose_lookup(chooser, sequence, budget, sps, self.eos_id_set)
             if keep > 0:
                 plan.lookups[i], plan.lengths[i] = proposal, keep
-                plan.lookup_confidences[i] = chooser.lookup.acceptance(proposal.ngram)
+                plan.lookup_confidences[i] = chooser.acceptance(proposal)
         plan.schedule_time += time.perf_counter() - start
 
     def drafting_rows(self, plan: RoundPlan) -> list[int]:
