@@ -101,11 +101,42 @@ def test_autograd_uses_the_stock_path():
 
 
 def test_unhandled_dtypes_are_left_alone_and_logged(caplog):
-    model = random_target("llama").to(torch.bfloat16)
+    model = random_target("llama").to(torch.float64)
     with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
         optimize_for_cpu(model, packed_min_rows=1)
     assert _count_packed(model) == 0
-    assert "dtype torch.bfloat16" in caplog.text
+    assert "dtype torch.float64" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_packed_where_onednn_supports_it(dtype, tmp_path, caplog):
+    stock = random_target("llama", num_layers=2).to(dtype)
+    model = copy.deepcopy(stock)
+    with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
+        optimize_for_cpu(model, packed_min_rows=1)
+    reason = fast_path.fast_path_unavailable_reason(dtype)
+    if reason is not None:  # this CPU (or build) has no oneDNN kernels for the dtype: left alone, said why
+        assert _count_packed(model) == 0 and reason in caplog.text
+        return
+    assert _count_packed(model) == sum(isinstance(m, torch.nn.Linear) for m in stock.modules())
+    ids = torch.randint(0, 48, (2, 9))
+    with torch.no_grad():
+        expected, got = stock(ids).logits.float(), model(ids).logits.float()
+    assert got.dtype == expected.dtype and torch.allclose(got, expected, rtol=0.05, atol=0.05), (got - expected).abs().max()
+    model.save_pretrained(tmp_path)  # the ordinary weights, in the model's dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    for name, tensor in stock.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_half_precision_without_kernels_is_left_alone_with_the_reason(monkeypatch, caplog):
+    real = fast_path.fast_path_unavailable_reason
+    monkeypatch.setattr(fast_path, "fast_path_unavailable_reason",
+                        lambda dtype=torch.float32: real(dtype) if dtype == torch.float32 else "no bf16 kernels here")
+    model = random_target("llama").to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
+        optimize_for_cpu(model, packed_min_rows=1)
+    assert _count_packed(model) == 0 and "no bf16 kernels here" in caplog.text
 
 
 def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
@@ -168,8 +199,8 @@ def test_measured_crossover_is_cached_per_shape_and_bounded():
     weight = torch.randn(40, 24)
     rows = measure_packed_min_rows(weight)
     assert 1 <= rows <= 17
-    assert _measured_min_rows[(40, 24, torch.get_num_threads())] == rows
-    _measured_min_rows[(40, 24, torch.get_num_threads())] = 5
+    assert _measured_min_rows[(40, 24, torch.get_num_threads(), torch.float32)] == rows
+    _measured_min_rows[(40, 24, torch.get_num_threads(), torch.float32)] = 5
     model = optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(24, 40)))
     assert model[0]._dspark_packed_min_rows == 5  # read from the cache, not measured again
 

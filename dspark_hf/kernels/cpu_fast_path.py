@@ -9,12 +9,16 @@ oneDNN's speed; on an Intel Xeon (AVX-512) its GEMV for 1-3 rows beat oneDNN and
 off the cliff (benchmarks/verify_cost.py). So each packed layer keeps both paths and picks by the
 number of input rows, from a crossover measured once per weight shape on this machine.
 
-:func:`optimize_for_cpu` reorders each fp32 ``nn.Linear`` weight once into oneDNN's blocked layout
+:func:`optimize_for_cpu` reorders each ``nn.Linear`` weight once into oneDNN's blocked layout
 and runs the layer with oneDNN's linear kernel, the same pair of ops inductor's CPU freezing pass
 emits (``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``).
 These are private torch ops, so they are feature-checked (present, and numerically equal to
 ``F.linear`` on a small probe) before anything is changed; without them the model is left as it
-is and the reason is logged.
+is and the reason is logged. bfloat16 and float16 weights are packed the same way where this torch
+build's oneDNN supports the dtype on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``,
+``..._fp16_supported()``: avx512-bf16 or AMX kernels), with their own probe; the crossover is
+measured in the weight's dtype, so a dtype whose packed kernel does not pay here keeps ``F.linear``
+for every verify-sized input.
 
 What stays the same: parameters (the packed copy is a plain attribute, not a parameter or buffer,
 so ``state_dict``/``save_pretrained`` write the ordinary weights), tied weights (the embedding
@@ -51,8 +55,12 @@ _PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 # Packed must be clearly faster on the probe: near the crossover the two kernels are within the
 # probe's noise, and a layer-level win of a few percent did not survive in whole-model steps.
 _PACKED_MARGIN = 0.9
-# (out_features, in_features, threads) -> fewest input rows for which the packed kernel is faster.
-_measured_min_rows: dict[tuple[int, int, int], int] = {}
+# (out_features, in_features, threads, dtype) -> fewest input rows for which the packed kernel is faster.
+_measured_min_rows: dict[tuple[int, int, int, torch.dtype], int] = {}
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Probe tolerance per dtype: the packed kernel sums in another order (and, in half precision, may
+# keep fp32 partial sums where F.linear rounds earlier).
+_PROBE_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -63,25 +71,32 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def fast_path_unavailable_reason() -> str | None:
-    """Why the oneDNN packed-linear path cannot be used here, or None when it can."""
+def fast_path_unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:
+    """Why the oneDNN packed-linear path cannot be used here for weights of ``dtype``, or None when it can."""
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
     for op in ("_reorder_linear_weight", "_linear_pointwise"):
         if not hasattr(torch.ops.mkldnn, op):
             return f"this torch build lacks the private op torch.ops.mkldnn.{op}"
+    if dtype not in _PACKABLE_DTYPES:
+        return f"dtype {dtype} (packed: {', '.join(str(d) for d in _PACKABLE_DTYPES)})"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN has no bfloat16 kernels for this CPU (it needs avx512-bf16 or AMX)"
+    if dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return "oneDNN has no float16 kernels for this CPU (it needs avx512-fp16 or AMX-FP16)"
     try:
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(24, 16, generator=generator)
-        bias = torch.randn(24, generator=generator)
-        x = torch.randn(2, 3, 16, generator=generator)
+        weight = torch.randn(24, 16, generator=generator).to(dtype)
+        bias = torch.randn(24, generator=generator).to(dtype)
+        x = torch.randn(2, 3, 16, generator=generator).to(dtype)
         with torch.no_grad():
             got = _packed_linear(x, _pack(weight), bias)
-        expected = F.linear(x, weight, bias)
+        expected = F.linear(x.float(), weight.float(), bias.float())
     except Exception as error:  # a changed op signature shows up here
-        return f"the oneDNN packed-linear ops failed on a probe ({type(error).__name__}: {error})"
-    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
-        return "the oneDNN packed-linear ops gave a result different from F.linear on a probe"
+        return f"the oneDNN packed-linear ops failed on a {dtype} probe ({type(error).__name__}: {error})"
+    rtol, atol = _PROBE_TOLERANCE[dtype]
+    if got.shape != expected.shape or got.dtype != dtype or not torch.allclose(got.float(), expected, rtol=rtol, atol=atol):
+        return f"the oneDNN packed-linear ops gave a result different from F.linear on a {dtype} probe"
     return None
 
 
@@ -98,19 +113,20 @@ def _best_seconds(fn, calls: int) -> float:
 def measure_packed_min_rows(weight: torch.Tensor) -> int:
     """Fewest input rows for which the packed kernel beats ``F.linear`` on this weight's shape.
 
-    Measured once per shape and thread count in a process (about 0.1-1 s for a model), on random
-    weights of the same shape. Above the largest probed size (16 rows) the packed kernel is used.
+    Measured once per shape, dtype and thread count in a process (about 0.1-1 s for a model), on
+    random weights of the same shape and dtype. Above the largest probed size (16 rows) the packed
+    kernel is used.
     """
-    key = (weight.shape[0], weight.shape[1], torch.get_num_threads())
+    key = (weight.shape[0], weight.shape[1], torch.get_num_threads(), weight.dtype)
     if key not in _measured_min_rows:
         generator = torch.Generator().manual_seed(0)
-        probe = torch.randn(weight.shape, generator=generator)
+        probe = torch.randn(weight.shape, generator=generator).to(weight.dtype)
         packed = _pack(probe)
         calls = max(2, min(50, int(2e6 // probe.numel())))
         packed_wins = []
         with torch.no_grad():
             for rows in _PROBE_ROWS:
-                x = torch.randn(1, rows, probe.shape[1], generator=generator)
+                x = torch.randn(1, rows, probe.shape[1], generator=generator).to(weight.dtype)
                 _packed_linear(x, packed, None), F.linear(x, probe)  # warm both kernels
                 stock = _best_seconds(lambda: F.linear(x, probe), calls)
                 fast = _best_seconds(lambda: _packed_linear(x, packed, None), calls)
@@ -149,8 +165,8 @@ class PackedLinear(nn.Linear):
             return F.linear(input, weight, self.bias)
         usable = (
             weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-            and input.dtype == torch.float32
+            and input.dtype == weight.dtype
+            and weight.dtype in _PACKABLE_DTYPES
             and input.device.type == "cpu"
             and not (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
         )
@@ -160,11 +176,11 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linear(module: nn.Linear, packed_min_rows: int | None = None) -> int:
-    """Turns one plain float32 CPU ``nn.Linear`` into a :class:`PackedLinear` in place (parameters,
+    """Turns one plain CPU ``nn.Linear`` (of a packable dtype) into a :class:`PackedLinear` in place (parameters,
     hooks and ties untouched) and packs its weight; returns the crossover in input rows it uses.
 
-    For callers that have already checked :func:`fast_path_unavailable_reason` and the layer (plain
-    ``nn.Linear``, float32, on CPU); :func:`optimize_for_cpu` is the public entry point.
+    For callers that have already checked :func:`fast_path_unavailable_reason` for its dtype and the
+    layer (plain ``nn.Linear``, on CPU); :func:`optimize_for_cpu` is the public entry point.
     """
     module.__class__ = PackedLinear
     if hasattr(module, "_old_forward"):  # accelerate's hook calls the forward it saved
@@ -178,10 +194,11 @@ def pack_linear(module: nn.Linear, packed_min_rows: int | None = None) -> int:
 
 def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
     """``module`` packed the way ``source`` is: when ``source`` is a :class:`PackedLinear` (the model
-    went through :func:`optimize_for_cpu`) and ``module`` is a plain float32 CPU ``nn.Linear``, it is
+    went through :func:`optimize_for_cpu`) and ``module`` is a plain CPU ``nn.Linear`` of a dtype packed here, it is
     packed in place with ``source``'s crossover (no timing probe: this can run inside a generation, and
     it keeps a ``packed_min_rows`` the user chose); otherwise it is returned as it is."""
-    if isinstance(source, PackedLinear) and _skip_reason(module) is None:
+    if isinstance(source, PackedLinear) and _skip_reason(module) is None \
+            and fast_path_unavailable_reason(module.weight.dtype) is None:
         pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1))
     return module
 
@@ -192,8 +209,6 @@ def _skip_reason(module: nn.Linear) -> str | None:
         return "weights offloaded (meta device)"
     if weight.device.type != "cpu":
         return f"on {weight.device.type}"
-    if weight.dtype != torch.float32:
-        return f"dtype {weight.dtype} (only float32 is packed)"
     if type(module) is not nn.Linear:
         return f"subclass {type(module).__name__}"
     return None
@@ -202,19 +217,23 @@ def _skip_reason(module: nn.Linear) -> str | None:
 def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) -> nn.Module:
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
-    Every float32 ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
-    docstring for why and what it costs). A model on CPU whose attention has grouped key/value heads
+    Every ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
+    docstring for why and what it costs): float32 always, bfloat16 and float16 where oneDNN has
+    kernels for them on this CPU; the number of input rows from which the packed kernel is used is
+    measured per weight shape and dtype, so a kernel that does not pay here is not used. A model on CPU whose attention has grouped key/value heads
     and runs on transformers' ``sdpa`` switches to an attention function that does not copy the KV
     cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`; ``model.set_attn_implementation("sdpa")``
-    undoes it). Outputs equal the stock model's within float32 rounding
-    (a different summation order); greedy generation is unchanged in practice, and DSpark's
+    undoes it). Outputs equal the stock model's within rounding
+    (a different summation order; in bfloat16 that can flip a near-tie between two tokens); float32
+    greedy generation is unchanged in practice, and DSpark's
     losslessness does not depend on it (draft and target are verified, not trusted).
 
     Use it on CPU for the target and for the draft (whose vocabulary projection is its largest
     matrix; a draft that borrows the target's LM head shares the target's packed one, and a draft
     with a reduced draft vocabulary packs its gathered rows when that head is packed).
 
-    It is idempotent, and a logged no-op for layers it does not handle: other devices, other dtypes,
+    It is idempotent, and a logged no-op for layers it does not handle: other devices, other dtypes
+    or a dtype this CPU has no oneDNN kernels for,
     weights offloaded by accelerate, ``nn.Linear`` subclasses (e.g. quantised layers). When this
     torch build lacks the oneDNN ops (or they fail a numerical probe), the model is left unchanged
     and the reason is logged.
@@ -248,16 +267,18 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
     if unavailable is not None:
         logger.warning("optimize_for_cpu: keeping the stock linear layers: %s.", unavailable)
         return
+    dtype_reasons = {dtype: fast_path_unavailable_reason(dtype)
+                     for dtype in {m.weight.dtype for _, m in to_pack} - {torch.float32}}
 
     start = time.perf_counter()
     packed_bytes, skipped, crossovers = 0, {}, {}
     with torch.no_grad():
         for name, module in to_pack:
-            reason = _skip_reason(module)
+            reason = _skip_reason(module) or dtype_reasons.get(module.weight.dtype)
             if reason is not None:
                 skipped.setdefault(reason, []).append(name)
                 continue
-            crossovers[tuple(module.weight.shape)] = pack_linear(module, packed_min_rows)
+            crossovers[(*module.weight.shape, module.weight.dtype)] = pack_linear(module, packed_min_rows)
             packed_bytes += module.weight.numel() * module.weight.element_size()
     num_packed = len(to_pack) - sum(len(names) for names in skipped.values())
     logger.info(
@@ -266,7 +287,8 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
     )
     if crossovers:
         logger.info("optimize_for_cpu: packed kernel from this many input rows, per weight shape: %s.",
-                    ", ".join(f"{o}x{i}: {r}" for (o, i), r in sorted(crossovers.items())))
+                    ", ".join(f"{o}x{i} {str(d).removeprefix('torch.')}: {r}"
+                              for (o, i, d), r in sorted(crossovers.items(), key=str)))
     for reason, names in skipped.items():
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
 
