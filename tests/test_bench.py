@@ -97,6 +97,7 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
     for name in ("bench.json", "bench.md", "speedup.png", "acceptance.png", "sps.png"):
         assert (out / name).is_file(), name
     saved = json.loads((out / "bench.json").read_text())
+    assert saved["settings"]["datasets"] == ["gsm8k", "humaneval", "mt-bench"]  # the folder has no copy-heavy
     rows = saved["summary"]
     methods = {r["method"] for r in rows}
     assert methods == {"target", "target-stock", "dspark-scheduler", "dspark-no-lookup", "dspark-fixed-3",
@@ -143,3 +144,16 @@ def test_bench_dtype_option_loads_target_and_drafts_in_that_dtype(tmp_path):
     assert {p.dtype for p in drafts["dspark"].parameters() if p.is_floating_point()} == {torch.bfloat16}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dtype", "int8"])
+
+
+def test_default_datasets_are_those_in_the_prompt_folder(tmp_path):
+    parser = bench.build_parser()
+    (tmp_path / "copy-heavy.jsonl").write_text('{"turns": ["x"]}\n')
+    args = parser.parse_args(["--prompt-dir", str(tmp_path)])
+    bench.resolve_datasets(args, parser)
+    assert args.datasets == ["copy-heavy"]
+    args = parser.parse_args([])  # the packaged folder holds all four
+    bench.resolve_datasets(args, parser)
+    assert args.datasets == ["gsm8k", "humaneval", "mt-bench", "copy-heavy"]
+    with pytest.raises(SystemExit):
+        bench.resolve_datasets(parser.parse_args(["--prompt-dir", str(tmp_path / "none")]), parser)

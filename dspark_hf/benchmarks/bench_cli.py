@@ -48,6 +48,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers.utils import logging
 
 from ..chat_text import chat_prompt_ids
 from ..kernels.cpu_fast_path import optimize_for_cpu
@@ -56,10 +57,12 @@ from ..scheduling.step_rates import load_sps_profile
 from .batch_sweep import run_batch_sweep
 from .environment import capture_environment, describe_environment
 from .plots import plot_batch_sweep, write_plots
-from .prompt_sets import BENCH_DATASETS, load_eval_prompts
+from .prompt_sets import BENCH_DATASETS, default_prompt_dir, load_eval_prompts
 from .runner import MODES, default_methods, run_benchmark
 from .shipped_drafts import DFLASH_DRAFT, DRAFTS_ENV, DSPARK_DRAFT, missing_draft_message, shipped_drafts_dir
 from .summary import batch_sweep_table, markdown_table, summarize
+
+logger = logging.get_logger(__name__)
 
 HOW_TO_PASS_DRAFTS = (f"Point at a folder holding them with --drafts-dir PATH or ${DRAFTS_ENV}=PATH, or pass drafts "
                       "(folders or Hub ids) with --dspark PATH and --dflash PATH (--dflash none skips the ablation).")
@@ -77,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafts folder)")
     parser.add_argument("--candidate", help="a second DSpark draft (folder or Hub id), run with its defaults as "
                         "methods candidate-scheduler and candidate-no-lookup in the same interleaved run")
-    parser.add_argument("--datasets", nargs="+", default=list(BENCH_DATASETS))
+    parser.add_argument("--datasets", nargs="+", default=None,
+                        help=f"prompt sets to run (default: those of {', '.join(BENCH_DATASETS)} found in the prompt folder)")
     parser.add_argument("--prompt-dir", help="folder with <dataset>.jsonl (default: $DSPARK_EVAL_PROMPTS, else the "
                         "sets shipped in dspark_hf/benchmarks/eval_prompts)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -120,6 +124,22 @@ def resolve_drafts(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         if problem:
             parser.error(problem)
         setattr(args, name, str(path))
+
+
+def resolve_datasets(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fills ``args.datasets`` when not given: the bench sets present in the prompt folder (a folder
+    of one's own may hold only some of them; the ones left out are named)."""
+    if args.datasets is not None:
+        return
+    folder = Path(args.prompt_dir) if args.prompt_dir else default_prompt_dir()
+    args.datasets = [d for d in BENCH_DATASETS if (folder / f"{d}.jsonl").is_file()]
+    if not args.datasets:
+        parser.error(f"{folder} holds none of {', '.join(f'{d}.jsonl' for d in BENCH_DATASETS)}; "
+                     "point --prompt-dir at a folder that does, or name the sets with --datasets.")
+    missing = [d for d in BENCH_DATASETS if d not in args.datasets]
+    if missing:
+        logger.warning("dspark-hf bench: %s has no %s; running %s.", folder,
+                       ", ".join(f"{d}.jsonl" for d in missing), ", ".join(args.datasets))
 
 
 def load_models(args: argparse.Namespace):
@@ -201,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     resolve_drafts(args, parser)
+    resolve_datasets(args, parser)
     if args.quick:
         args.num_prompts, args.max_new_tokens = min(args.num_prompts, 2), min(args.max_new_tokens, 48)
         args.sweep_new_tokens, args.sweep_prompts = min(args.sweep_new_tokens, 24), min(args.sweep_prompts, 2)
