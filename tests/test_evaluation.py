@@ -76,3 +76,27 @@ def test_batched_greedy_evaluation_measures_the_same_rounds_as_batch_one():
     assert 1.0 < alone["tau"] < 4.0, alone  # some drafted tokens are rejected, some accepted
     for key in ("rounds", "new_tokens", "tau", "per_position_acceptance"):
         assert batched[key] == alone[key], key
+
+
+def test_evaluate_cli_takes_any_target_and_a_tokenizer_without_chat_template(tmp_path):
+    """`dspark-hf evaluate --target FOLDER`: a local base model (no chat template) and its draft."""
+    from dspark_hf import DSparkDraftModel
+    from dspark_hf.benchmarks import evaluate_cli, evaluation
+    from tiny_models import random_target
+
+    words = "the a of to and is in that it for Janet eggs ducks day sells".split()
+    tokenizer = tiny_tokenizer(words)
+    tokenizer.chat_template = None  # a base model's tokenizer
+    target = random_target("llama", vocab_size=len(tokenizer))
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    DSparkDraftModel.from_target(target, block_size=4).save_pretrained(tmp_path / "draft")
+    out = tmp_path / "tau.json"
+    evaluate_cli.main(["--drafts", str(tmp_path / "draft"), "--target", str(tmp_path / "target"),
+                       "--datasets", "gsm8k", "--modes", "greedy", "--num-prompts", "2", "--max-new-tokens", "8",
+                       "--out", str(out)])
+    saved = json.loads(out.read_text())
+    result = saved["results"]["draft/gsm8k/greedy"]
+    assert saved["settings"]["target"] == str(tmp_path / "target")
+    assert result["new_tokens"] == 2 * 8 and result["rounds"] > 0  # both prompts answered in full
+    assert evaluation.encode_prompt(tokenizer, "Janet sells eggs") == tokenizer("Janet sells eggs")["input_ids"]

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from ..chat_text import chat_prompt_ids
+from ..chat_text import encode_prompt
 from ..kernels.cpu_fast_path import optimize_for_cpu
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.step_rates import load_sps_profile
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     target, tokenizer, stock_target, drafts = load_models(args)
     methods = bench_methods(args, parser, drafts)
-    prompts = {d: [chat_prompt_ids(tokenizer, p) for p in load_eval_prompts(d, args.num_prompts, args.prompt_dir)]
+    prompts = {d: [encode_prompt(tokenizer, p) for p in load_eval_prompts(d, args.num_prompts, args.prompt_dir)]
                for d in args.datasets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

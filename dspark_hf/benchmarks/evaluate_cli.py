@@ -1,8 +1,8 @@
 """``dspark-hf evaluate``: tau and per-position acceptance of drafts on the shipped prompt sets.
 
 Runs ``target.generate(..., assistant_model=draft)`` with the full block verified (scheduler off,
-as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns,
-chat template applied) and writes the aggregated per-round statistics of every draft, set and mode
+as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns, with
+the target's chat template, or as plain text for a tokenizer without one) and writes the aggregated per-round statistics of every draft, set and mode
 (:func:`~dspark_hf.benchmarks.evaluation.measure_acceptance`) to ``--out``; ``--table FILES``
 prints the markdown table of two drafts' results instead.
 
@@ -11,7 +11,8 @@ prints the markdown table of two drafts' results instead.
     dspark-hf evaluate --table results/tau_dspark.json results/tau_dflash.json
 
 (``python -m dspark_hf.benchmarks.evaluate_cli`` and ``python -m dspark_hf.benchmarks.evaluation``
-are the same command.) The target is SmolLM2-135M-Instruct (:mod:`dspark_hf.demo_target`).
+are the same command.) ``--target`` is what ``dspark-hf train --target`` takes: a preset (default
+``smollm2``: SmolLM2-135M-Instruct, :mod:`dspark_hf.demo_target`), a local folder or a Hub id.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--table"]:  # dspark-hf evaluate --table results/tau_*.json
         print(tau_table(argv[1:]), end="")
         return
-    from ..demo_target import load_smollm2  # imported here: `--table` and `--help` load no model code
+    from ..training.target_loading import resolve_target  # imported here: `--table` loads no model code
 
     parser = argparse.ArgumentParser(prog="dspark-hf evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafts", nargs="+", required=True)
+    parser.add_argument("--target", default="smollm2",
+                        help="the drafts' target: a preset (smollm2), a local folder or a Hub id (default: smollm2)")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"])
     parser.add_argument("--num-prompts", type=int, default=20)
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load_smollm2()
+    loaded = resolve_target(args.target, dtype=torch.float32)
+    target, tokenizer = loaded.model, loaded.tokenizer
     results = {"environment": capture_environment(), "settings": vars(args), "results": {}}
     for draft_path in args.drafts:
         draft = DSparkDraftModel.from_pretrained(draft_path).float().eval()

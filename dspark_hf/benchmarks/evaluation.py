@@ -1,8 +1,9 @@
 """Draft quality on real prompts: mean accepted length tau and per-position acceptance.
 
 Runs ``target.generate(..., assistant_model=draft)`` with the full block verified (scheduler off,
-as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns,
-chat template applied) and aggregates the per-round statistics of every generation.
+as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns, with
+the chat template when the tokenizer has one, else as plain text) and aggregates the per-round
+statistics of every generation.
 
 The command line is :mod:`dspark_hf.benchmarks.evaluate_cli` (``dspark-hf evaluate``);
 ``python -m dspark_hf.benchmarks.evaluation`` runs it too, as it did when it lived here.
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..chat_text import chat_prompt_ids, trim_after_eos
+from ..chat_text import encode_prompt, trim_after_eos
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.policies import FixedLengthPolicy
 from .prompt_sets import DATASETS
@@ -50,7 +51,7 @@ def measure_acceptance(target, tokenizer, draft: DSparkDraftModel, prompts: list
     collected, tokens, start = [], 0, time.perf_counter()
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     for i, batch in enumerate(tqdm(batches, desc=desc or "prompts", leave=False)):
-        ids, attention_mask = left_padded([chat_prompt_ids(tokenizer, prompt) for prompt in batch], pad_token_id)
+        ids, attention_mask = left_padded([encode_prompt(tokenizer, prompt) for prompt in batch], pad_token_id)
         torch.manual_seed(seed + i)
         out = target.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                               do_sample=do_sample, temperature=1.0, top_k=None, top_p=None,
