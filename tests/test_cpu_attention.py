@@ -42,6 +42,30 @@ def test_multi_token_steps_equal_the_stock_model_and_skip_repeat_kv(arch, monkey
     assert 5 not in delegated, "the multi-token cached step still went through repeat_kv"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_token_half_precision_steps_regroup_the_query_and_equal_the_stock_model(dtype, monkeypatch):
+    stock = random_target("llama", num_layers=2).to(dtype)
+    prepared = copy.deepcopy(stock)
+    assert use_cpu_gqa_attention(prepared) and stock.config.num_key_value_heads < stock.config.num_attention_heads
+    regrouped = []
+    original = cpu_attention._one_token_regrouped
+    monkeypatch.setattr(cpu_attention, "_one_token_regrouped", lambda *a: regrouped.append(a[0].shape) or original(*a))
+    context = torch.randint(1, 48, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0  # a left-padded row: the one-token step carries a padding mask
+    for attention_mask in (None, mask):
+        regrouped.clear()
+        caches = []
+        for model in (stock, prepared):
+            cache = DynamicCache()
+            with torch.no_grad():
+                model(context, cache=cache, attention_mask=None if attention_mask is None else attention_mask[:, :9])
+                caches.append(model(context[:, -1:], cache=cache, attention_mask=attention_mask).logits.float())
+        assert torch.allclose(caches[1], caches[0], rtol=1e-3, atol=1e-3), (caches[1] - caches[0]).abs().max()
+        # float32 keeps SDPA's grouped broadcast (it measured faster there); half precision regroups.
+        assert len(regrouped) == (0 if dtype == torch.float32 else 2)
+
+
 def test_greedy_generation_is_unchanged():
     stock = random_target(num_layers=3)
     prepared = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
