@@ -1,6 +1,7 @@
 """The live cost model: a wrong profile is corrected by observed verify times, robustly, monotonically;
 one model per target and process; a profile far from the live times is reported and rewritten."""
 
+import functools
 import json
 import logging
 import math
@@ -12,7 +13,7 @@ import torch
 import dspark_hf.scheduling.shared_cost as shared_cost_module
 import dspark_hf.scheduling.step_rates as step_rates_module
 from dspark_hf import FixedLengthPolicy, PrefixScheduler, StepCostModel, shared_cost_model
-from dspark_hf.scheduling.step_rates import sps_cache_key
+from dspark_hf.scheduling.step_rates import profile_sps, sps_cache_key
 from tiny_models import markov_draft, random_target, target_next_token_table
 
 TRUE_SECONDS = [0.050, 0.056, 0.052, 0.053, 0.054, 0.056, 0.058, 0.060]  # a flat CPU curve (ms-level noise)
@@ -115,7 +116,8 @@ def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch, tmp_
     target, draft = _pair()
     calls = []
     profile = step_rates_module.profile_sps
-    monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: calls.append(a[1]) or profile(*a, **k))
+    monkeypatch.setattr(step_rates_module, "profile_sps",
+                        lambda *a, **k: calls.append((a[1], k.get("rows", 1))) or profile(*a, **k))
     prompts = torch.randint(3, 48, (3, 6))
     for rows in (1, 2, 3, 2, 1):
         batch = prompts[:rows]
@@ -123,11 +125,13 @@ def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch, tmp_
         got = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False,
                               assistant_model=draft)
         assert got.tolist() == expected.tolist()
-    # Profiled once for one sequence, then once more whenever a batch's padded forward (rows x (1 + the
-    # longest proposal: 10 lookup tokens)) goes beyond the prior; smaller batches reuse it.
-    assert calls == [shared_cost_module.DEFAULT_PROFILE_TOKENS, 2 * 11, 3 * 11]
-    model = shared_cost_model(target)
-    assert model.prior_length == 33 and model.num_observations > 0
+    # Profiled once for one sequence, and once per batch size with that many rows up to its padded
+    # forward (rows x (1 + the longest proposal: 10 lookup tokens)); a batch size seen before reuses it.
+    assert calls == [(shared_cost_module.DEFAULT_PROFILE_TOKENS, 1), (2 * 11, 2), (3 * 11, 3)]
+    for rows, length in ((1, shared_cost_module.DEFAULT_PROFILE_TOKENS), (2, 22), (3, 33)):
+        model = shared_cost_model(target, rows=rows)
+        assert model.prior_length == length and model.num_observations > 0, rows
+    assert shared_cost_model(target, rows=2) is not shared_cost_model(target)
 
 
 def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):
@@ -204,3 +208,21 @@ def test_drift_warns_once_per_target_and_rewrites_the_cache_once_per_call(tmp_pa
     assert all(r.levelno == logging.DEBUG for r in reports[1:])
     assert 1 <= len(writes) <= calls and set(writes) == {path}  # at most once per generate call
     assert json.loads(path.read_text())["live_corrected"]["observations"] == model.num_observations
+
+
+def test_a_batched_profile_runs_rows_on_their_own_contexts_and_is_keyed_apart(monkeypatch, tmp_path):
+    """profile_sps(rows=R): forwards of R rows x W tokens over an R-row cache, multiples of R only."""
+    target, _ = _pair()
+    shapes = []
+    forward = type(target).forward
+    monkeypatch.setattr(type(target), "forward", functools.wraps(forward)(lambda self, *a, **k: shapes.append(
+        tuple((k.get("input_ids") if k.get("input_ids") is not None else a[0]).shape)) or forward(self, *a, **k)))
+    table = profile_sps(target, 9, rows=3, warmup=0, repeats=1, cache_dir=tmp_path, progress=False)
+    assert len(table) == 9 and all(a >= b for a, b in zip(table, table[1:]))
+    assert shapes[0] == (3, 256) and sorted(set(shapes[1:])) == [(3, 1), (3, 2), (3, 3)]
+    # Unmeasured sizes take the measured size below them (below 3: the time of 3 rows x 1 token).
+    assert len(set(table[0:5])) == 1 and len(set(table[5:8])) == 1
+    assert sps_cache_key(target, 9, rows=3) != sps_cache_key(target, 9)
+    assert (tmp_path / "sps" / f"{sps_cache_key(target, 9, rows=3)}.json").is_file()
+    with pytest.raises(ValueError, match="one token per row"):
+        profile_sps(target, 2, rows=3, cache_dir=tmp_path, progress=False)

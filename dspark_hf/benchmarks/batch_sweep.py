@@ -12,7 +12,8 @@ round, the share of rounds that drafted, and the cost model's drift at the end. 
     limit = tau_batch * T(R) / (T(sum_r (1 + k_r)) + T_draft(R))
 
 evaluates the speed-up those rounds could give with no overhead at all, ``T`` read from the
-target's profiled step curve (the cost model's prior) and ``T_draft`` measured; ``limit_padded``
+target's step curve profiled with R rows (the prior of the cost model batches of R rows use) and
+``T_draft`` measured; ``limit_padded``
 puts the padded forward ``T(R x W)`` in place of ``T(sum)``, which is what the batched forward costs.
 """
 
@@ -76,9 +77,7 @@ def run_batch_sweep(
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     block = draft.config.block_size
-    # The prior covers the largest batched forward (profiled once, cached): the limit column reads it.
-    cost_model = cost_model_covering(target, max(batch_sizes) * (1 + max(block, DEFAULT_LOOKUP_TOKENS)),
-                                     progress=progress)
+    width = 1 + max(block, DEFAULT_LOOKUP_TOKENS)
     results = []
     jobs = [(size, mode) for size in batch_sizes for mode in modes]
     for turn, (size, mode) in enumerate(tqdm(jobs, desc="batch sweep", disable=not progress)):
@@ -114,6 +113,9 @@ def run_batch_sweep(
         mean_verified = total.get("verified_tokens", 0) / rounds
         mean_padded = total.get("padded_tokens", 0) / rounds
         draft_per_round = total.get("draft_seconds", 0.0) / rounds
+        # The cost model batches of this size use (profiled with `size` rows, cached; the generate
+        # calls above built it): the limit column reads its prior, the drift column its live state.
+        cost_model = cost_model_covering(target, size * width, rows=size, progress=progress)
         step_r = cost_model.prior(size)
         row = {
             "batch_size": size, "mode": mode, "prompts": count, "max_new_tokens": max_new_tokens,

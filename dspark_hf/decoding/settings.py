@@ -240,8 +240,9 @@ def resolve_verify_policy(draft: PreTrainedModel, target: PreTrainedModel, num_r
     ``num_assistant_tokens`` (a fixed length); else the default: with a confidence head, a scheduler
     on the target's live cost model (:func:`~dspark_hf.scheduling.shared_cost.shared_cost_model`: a profiled
     prior, one per target and process, corrected by every round's verify time) for up to
-    ``gamma + 1`` tokens, or for a batch ``num_rows x (1 + the longest proposal)`` with the prior
-    profiled that far (:func:`~dspark_hf.scheduling.shared_cost.cost_model_covering`); without one
+    ``gamma + 1`` tokens, or for a batch ``num_rows x (1 + the longest proposal)`` on the cost model
+    of batches of ``num_rows`` rows, profiled with that many rows
+    (:func:`~dspark_hf.scheduling.shared_cost.cost_model_covering`); without one
     (DFlash), the full block.
     """
     choice, source = _policy_choice(draft, generation_config)
@@ -263,7 +264,7 @@ def resolve_verify_policy(draft: PreTrainedModel, target: PreTrainedModel, num_r
             if not isinstance(lookup_tokens, int) or isinstance(lookup_tokens, bool) or lookup_tokens < 0:
                 lookup_tokens = DEFAULT_LOOKUP_TOKENS  # an invalid value is refused with lookup's own message
             widest = num_rows * (1 + max(block_size, lookup_tokens))
-            return PrefixScheduler(cost_model=cost_model_covering(target, widest), max_tokens=widest)
+            return PrefixScheduler(cost_model=cost_model_covering(target, widest, rows=num_rows), max_tokens=widest)
         if choice == "fixed":
             return FixedLengthPolicy(_draft_token_cap(draft, generation_config))
         threshold, _ = _threshold(draft, generation_config)

@@ -5,7 +5,9 @@ longest SPS profile cached on disk (:mod:`dspark_hf.scheduling.step_rates` write
 fresh short profile, and keeps it for every later call on that target. :func:`cost_model_covering`
 makes its profiled prior reach the token counts of a batched round (``rows x (1 + longest
 proposal)``), profiling the missing sizes once (cached) instead of extrapolating far beyond the
-table. When live times drift far from the profile, :class:`_ProfileDrift` warns (once per target
+table. A batch of R rows has its own cost model (``rows=R``), profiled with R rows: a forward of
+R rows x W tokens also attends over R contexts, and measured 1.3-1.4x a one-row forward of as many
+tokens (R = 8 and 16, SmolLM2 on CPU), which a table keyed by token count alone misread as drift. When live times drift far from the profile, :class:`_ProfileDrift` warns (once per target
 and process) and rewrites the cache file, never with slower times than it held: a run under load
 must not leave a profile that misleads later quiet runs.
 """
@@ -33,6 +35,8 @@ logger = logging.get_logger(__name__)
 __all__ = ["DEFAULT_PROFILE_TOKENS", "cost_model_covering", "profile_rewrites_per_call", "shared_cost_model"]
 
 DEFAULT_PROFILE_TOKENS = 16
+# A batched model's profile (every width, rows x 1 .. rows x W): one warm-up and five timed rounds.
+BATCHED_WARMUP, BATCHED_REPEATS = 1, 5
 # Beyond the dense part, a batched extension measures every EXTENSION_STRIDE-th size with few rounds:
 # the live correction refines it, and a user's first batched call should not wait a minute.
 EXTENSION_STRIDE, EXTENSION_WARMUP, EXTENSION_REPEATS = 16, 1, 3
@@ -143,6 +147,7 @@ def shared_cost_model(
     context_length: int = 256,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
+    rows: int = 1,
 ) -> StepCostModel:
     """The live cost model of ``model`` in this process (what the default scheduler uses).
 
@@ -155,13 +160,17 @@ def shared_cost_model(
     see :func:`profile_rewrites_per_call`). On a target with few positions
     (:func:`~dspark_hf.scheduling.step_rates.max_positions`), the profile is shortened to fit them:
     at most half of them new tokens, the context the rest.
+
+    ``rows`` > 1 gives the cost model of batched rounds of that many rows: keyed by the total tokens
+    of the forward like the one-row model, profiled with ``rows`` rows (``profile_tokens`` of them in
+    all; see :func:`~dspark_hf.scheduling.step_rates.profile_sps`), cached and corrected apart from it.
     """
     directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "sps"
     limit = step_rates.max_positions(model)
     if limit is not None:  # a target with few positions (learned absolute ones) gets a shorter profile
-        profile_tokens = max(1, min(profile_tokens, limit // 2))
-    context_length = step_rates.fitted_context_length(model, context_length, profile_tokens)
-    base_key = step_rates._base_key(model, context_length)
+        profile_tokens = max(rows, min(profile_tokens, rows * max(1, limit // 2)))
+    context_length = step_rates.fitted_context_length(model, context_length, -(-profile_tokens // rows))
+    base_key = step_rates._base_key(model, context_length, rows)
     with _shared_lock:
         per_model = _shared_cost_models.setdefault(model, {})
         cost_model = per_model.get(base_key)
@@ -169,8 +178,9 @@ def shared_cost_model(
             return cost_model
         found = _longest_cached_profile(directory, base_key) if directory.is_dir() else None
         if found is None:
+            timing = {} if rows == 1 else {"warmup": BATCHED_WARMUP, "repeats": BATCHED_REPEATS}
             sps = step_rates.profile_sps(model, profile_tokens, context_length=context_length, cache_dir=cache_dir,
-                                         use_cache=False, progress=progress)
+                                         use_cache=False, progress=progress, rows=rows, **timing)
             path = directory / f"{base_key}-b{profile_tokens}.json"
         else:
             sps, path = found
@@ -182,7 +192,7 @@ def shared_cost_model(
 
 
 def cost_model_covering(model: torch.nn.Module, max_tokens: int, *, cache_dir: str | os.PathLike | None = None,
-                        progress: bool = True) -> StepCostModel:
+                        progress: bool = True, rows: int = 1) -> StepCostModel:
     """The shared cost model of ``model``, its profiled prior reaching ``max_tokens`` tokens.
 
     A batched round verifies ``rows x (1 + longest proposal)`` tokens (padding included), far
@@ -191,12 +201,18 @@ def cost_model_covering(model: torch.nn.Module, max_tokens: int, *, cache_dir: s
     profiled once (every size up to 16, then every 16th, few rounds: seconds, with a progress bar),
     cached on disk next to the shorter profile, and become the model's prior; what it learned live
     is kept. On a target with few positions the prior stops at half of them, and beyond it the
-    extrapolation and the live correction take over.
+    extrapolation and the live correction take over. ``rows`` > 1: the cost model of batches of that
+    many rows (:func:`shared_cost_model`), first profiled up to ``max_tokens`` at once.
     """
-    cost_model = shared_cost_model(model, cache_dir=cache_dir, progress=progress)
     limit = step_rates.max_positions(model)
     if limit is not None:
-        max_tokens = min(max_tokens, max(1, limit // 2))
+        max_tokens = min(max_tokens, rows * max(1, limit // 2))
+    if rows > 1:
+        max_tokens = max(max_tokens, rows)
+        cost_model = shared_cost_model(model, cache_dir=cache_dir, progress=progress, rows=rows,
+                                       profile_tokens=max_tokens)
+    else:
+        cost_model = shared_cost_model(model, cache_dir=cache_dir, progress=progress)
     if cost_model.prior_length >= max_tokens:
         return cost_model
     with _extension_lock:
@@ -204,12 +220,12 @@ def cost_model_covering(model: torch.nn.Module, max_tokens: int, *, cache_dir: s
             return cost_model
         logger.info("Profiling the target's step times up to %d tokens for batched decoding (once; cached).",
                     max_tokens)
-        sps = step_rates.profile_sps(model, max_tokens, cache_dir=cache_dir, progress=progress,
+        sps = step_rates.profile_sps(model, max_tokens, cache_dir=cache_dir, progress=progress, rows=rows,
                                      warmup=EXTENSION_WARMUP, repeats=EXTENSION_REPEATS, stride=EXTENSION_STRIDE)
         cost_model.extend_prior([1.0 / rate for rate in sps])
         drift = cost_model.on_drift
         if isinstance(drift, _ProfileDrift):  # later rewrites go to the longer file
             directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "sps"
-            drift.path = directory / f"{step_rates.sps_cache_key(model, max_tokens)}.json"
+            drift.path = directory / f"{step_rates.sps_cache_key(model, max_tokens, rows=rows)}.json"
             drift.record = _read_record(drift.path, sps)
     return cost_model

@@ -121,27 +121,29 @@ def fitted_context_length(model: torch.nn.Module, context_length: int, max_token
     return limit - max_tokens
 
 
-def _base_key(model: torch.nn.Module, context_length: int) -> str:
+def _base_key(model: torch.nn.Module, context_length: int, rows: int = 1) -> str:
     # Everything that affects the step time except max_tokens; the config includes _name_or_path.
+    # A batched profile (rows > 1) gets its own key: R rows attend over R contexts.
     payload = {
         "config": model.config.to_dict(),
         "environment": _environment(model),
         "context_length": context_length,
     }
     blob = json.dumps(payload, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:24]
+    digest = hashlib.sha256(blob.encode("utf-8")).hexdigest()[:24]
+    return digest if rows == 1 else f"{digest}-r{rows}"
 
 
-def sps_cache_key(model: torch.nn.Module, max_tokens: int, *, context_length: int = 256) -> str:
+def sps_cache_key(model: torch.nn.Module, max_tokens: int, *, context_length: int = 256, rows: int = 1) -> str:
     """The on-disk cache key :func:`profile_sps` uses for ``model``.
 
     It hashes the model config (including ``_name_or_path``), the attention implementation, the
     device (type, and the GPU name on CUDA), the dtype, the torch and transformers versions,
     ``context_length`` and, on CPU, ``torch.get_num_threads()``; ``max_tokens`` is appended as
-    ``-b<max_tokens>``. ``context_length`` is first fitted to the target's positions
-    (:func:`fitted_context_length`), as :func:`profile_sps` does.
+    ``-b<max_tokens>``, and a batched profile's ``rows`` before it as ``-r<rows>``. ``context_length``
+    is first fitted to the target's positions (:func:`fitted_context_length`), as :func:`profile_sps` does.
     """
-    return f"{_base_key(model, fitted_context_length(model, context_length, max_tokens))}-b{max_tokens}"
+    return f"{_base_key(model, fitted_context_length(model, context_length, max_tokens), rows)}-b{max_tokens}"
 
 
 def _valid_table(values: Any, min_length: int) -> bool:
@@ -220,9 +222,10 @@ def _cache_kwarg_name(model: torch.nn.Module) -> str:
 
 
 class _VerifyStepTimer:
-    """Times ``model(B new tokens)`` on top of a cached context, as a verify step runs."""
+    """Times ``model(B new tokens)`` on top of a cached context, as a verify step runs; with
+    ``rows`` > 1, ``B`` tokens are ``rows`` rows of ``B / rows``, each row on its own context."""
 
-    def __init__(self, model: torch.nn.Module, context_length: int, max_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, context_length: int, max_tokens: int, rows: int = 1) -> None:
         self.model = model
         self.context_length = context_length
         self.device = _model_device(model)
@@ -236,8 +239,9 @@ class _VerifyStepTimer:
 
         generator = torch.Generator().manual_seed(0)
         vocab = _vocab_size(model)
-        self.context_ids = torch.randint(0, vocab, (1, context_length), generator=generator).to(self.device)
-        self.new_ids = torch.randint(0, vocab, (1, max_tokens), generator=generator).to(self.device)
+        self.rows = rows
+        self.context_ids = torch.randint(0, vocab, (rows, context_length), generator=generator).to(self.device)
+        self.new_ids = torch.randint(0, vocab, (rows, -(-max_tokens // rows)), generator=generator).to(self.device)
         self.reprefill = False  # set when the cache cannot be rolled back by cropping
         self.cache = self._prefill()
 
@@ -282,15 +286,16 @@ class _VerifyStepTimer:
             self.cache = self._prefill()
 
     def time_step(self, num_tokens: int) -> float:
-        """Seconds for one forward of ``num_tokens`` new tokens; the cache is rolled back after."""
-        input_ids = self.new_ids[:, :num_tokens]
+        """Seconds for one forward of ``num_tokens`` new tokens (all rows); the cache is rolled back after."""
+        width = num_tokens // self.rows
+        input_ids = self.new_ids[:, :width]
         self._sync()
         start = time.perf_counter()
         output = self._forward(input_ids, self.cache)
         self._sync()
         elapsed = time.perf_counter() - start
         del output
-        self._rewind(num_tokens)
+        self._rewind(width)
         return elapsed
 
 
@@ -306,6 +311,7 @@ def profile_sps(
     progress: bool = True,
     dense_up_to: int = 16,
     stride: int = 8,
+    rows: int = 1,
 ) -> list[float]:
     """Measures the target's step rate ``SPS(B)`` for ``B = 1..max_tokens`` new tokens.
 
@@ -339,6 +345,12 @@ def profile_sps(
             ``stride``-th and ``max_tokens`` (large tables for batched decoding), with step times
             interpolated linearly in between; ``median_step_seconds`` in the cache file holds the
             interpolated values and ``measured_sizes`` the measured ``B``.
+        rows: the batch the forwards run with: ``B`` tokens are ``rows`` rows of ``B / rows``
+            tokens, each row on its own ``context_length``-token context (a batched verify forward,
+            whose cost also grows with the contexts it attends over). Only multiples of ``rows``
+            are measured (a batched round's padded forward is one); sizes between take the next
+            measured time below them (the least a forward of that many tokens over ``rows`` rows
+            can cost), sizes below ``rows`` the time of ``rows``. Cached under its own key.
 
     Returns:
         ``sps`` with ``sps[B - 1]`` = steps per second for ``B`` tokens; positive, non-increasing,
@@ -351,14 +363,17 @@ def profile_sps(
         ("repeats", repeats, 1),
         ("dense_up_to", dense_up_to, 1),
         ("stride", stride, 1),
+        ("rows", rows, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"profile_sps: {name} must be an integer >= {minimum}, got {value!r}.")
 
     directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     directory = directory / "sps"
-    context_length = fitted_context_length(model, context_length, max_tokens)
-    base_key = _base_key(model, context_length)
+    if max_tokens < rows:
+        raise ValueError(f"profile_sps: max_tokens ({max_tokens}) must reach at least one token per row (rows={rows}).")
+    context_length = fitted_context_length(model, context_length, -(-max_tokens // rows))
+    base_key = _base_key(model, context_length, rows)
     key = f"{base_key}-b{max_tokens}"
 
     if use_cache and directory.is_dir():
@@ -370,9 +385,10 @@ def profile_sps(
 
     environment = _environment(model)
     logger.info(
-        "Profiling the target step rate SPS(B) for B = 1..%d new tokens on a %d-token cached context "
-        "(%s, %s, %d warm-up + %d timed rounds); the table is cached under %s.",
+        "Profiling the target step rate SPS(B) for B = 1..%d new tokens in %d row(s), each on a %d-token cached "
+        "context (%s, %s, %d warm-up + %d timed rounds); the table is cached under %s.",
         max_tokens,
+        rows,
         context_length,
         environment["device_type"] if environment["device_name"] is None else environment["device_name"],
         environment["dtype"],
@@ -383,15 +399,18 @@ def profile_sps(
 
     # Every B up to `dense_up_to` (where a CPU's kernels switch paths and the curve is jagged),
     # then every `stride`-th B and the last one; step time is interpolated linearly in between.
-    sizes = list(range(1, min(max_tokens, dense_up_to) + 1))
-    sizes += [b for b in range(dense_up_to + stride, max_tokens, stride)] + ([max_tokens] if max_tokens > dense_up_to else [])
+    if rows == 1:
+        sizes = list(range(1, min(max_tokens, dense_up_to) + 1))
+        sizes += [b for b in range(dense_up_to + stride, max_tokens, stride)] + ([max_tokens] if max_tokens > dense_up_to else [])
+    else:  # every width a batched round can use: rows x 1, rows x 2, ...
+        sizes = [rows * width for width in range(1, max_tokens // rows + 1)]
     samples: dict[int, list[float]] = {b: [] for b in sizes}
     order_rng = random.Random(0)
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            timer = _VerifyStepTimer(model, context_length, max_tokens)
+            timer = _VerifyStepTimer(model, context_length, max_tokens, rows)
             with tqdm(total=(warmup + repeats) * len(sizes), desc="Profiling SPS", disable=not progress) as bar:
                 for round_index in range(warmup + repeats):
                     order = sizes[:]
@@ -410,6 +429,8 @@ def profile_sps(
     for b in range(1, max_tokens + 1):
         if b in measured:
             medians.append(measured[b])
+        elif rows > 1:  # between padded sizes: the measured size below (sizes below rows: rows x 1)
+            medians.append(measured[max([m for m in sizes if m <= b], default=sizes[0])])
         else:
             lo = max(m for m in sizes if m < b)
             hi = min(m for m in sizes if m > b)
@@ -426,6 +447,7 @@ def profile_sps(
         "format": 1,
         "key": key,
         "max_tokens": max_tokens,
+        "rows": rows,
         "context_length": context_length,
         "warmup": warmup,
         "repeats": repeats,
