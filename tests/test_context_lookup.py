@@ -10,7 +10,7 @@ from dspark_hf import FixedLengthPolicy, PrefixScheduler
 from dspark_hf.decoding.context_lookup import (PRIOR_DSPARK_TOKENS, ContextLookup, LookupProposal, SourceChooser,
                                                expected_value)
 from test_lossless_sampling import SPS, _chi_square_p_value
-from tiny_models import bigram_target, markov_draft, random_target, target_next_token_table
+from tiny_models import bigram_target, markov_draft
 
 
 def test_proposal_is_the_continuation_of_the_most_recent_longest_match():
