@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["ContextLookup", "LookupProposal", "PRIOR_DSPARK_TOKENS", "SourceChooser"]
@@ -97,31 +98,35 @@ class ContextLookup:
         if limit < 1:
             return None
         window = sequence[-self.search_window:]
-        length = window.shape[0]
+        # The search runs on the host in numpy: a few small array ops per n-gram length, several
+        # times cheaper per round than the same ops as torch calls (benchmarks/lookup_match_cost.py).
+        ids = window.detach().cpu().numpy()
+        length = ids.shape[0]
         for n in range(min(self.max_ngram, length - 1), 0, -1):
             # Every earlier n-gram that ends before the last token, compared with the suffix at once.
-            grams = window[:-1].unfold(0, n, 1)
-            hits = (grams == window[-n:]).all(dim=1).nonzero().flatten()
-            if hits.numel() == 0:
+            found = np.ones(length - n, dtype=bool)
+            for k in range(n):
+                found &= ids[k : length - n + k] == ids[length - n + k]
+            hits = np.flatnonzero(found)
+            if hits.size == 0:
                 continue
-            start = self._best_occurrence(window, hits + n - 1) + 1
+            start = self._best_occurrence(ids, hits + n - 1) + 1
             tokens = window[start : start + limit]
             if tokens.numel():
                 return LookupProposal(tokens=tokens, ngram=n)
         return None
 
-    def _best_occurrence(self, window: torch.LongTensor, ends: torch.LongTensor) -> int:
+    def _best_occurrence(self, ids: np.ndarray, ends: np.ndarray) -> int:
         """Of the occurrences ending at ``ends`` (ascending), the end of the one whose match with the
-        window's end reaches furthest back (the latest of equals)."""
-        if ends.numel() == 1:
+        end of ``ids`` reaches furthest back (the latest of equals)."""
+        if ends.size == 1:
             return int(ends[0])
         depth = min(self.max_context, int(ends[-1]) + 1)
-        back = torch.arange(depth)
+        back = np.arange(depth)
         earlier = ends[:, None] - back  # (occurrences, depth): positions read backwards from each end
-        matches = (window[earlier.clamp(min=0)] == window[window.shape[0] - 1 - back]) & (earlier >= 0)
-        reach = matches.int().cumprod(dim=1).sum(dim=1)
-        latest_best = reach.numel() - 1 - int(reach.flip(0).argmax())
-        return int(ends[latest_best])
+        matches = (ids[np.maximum(earlier, 0)] == ids[ids.shape[0] - 1 - back]) & (earlier >= 0)
+        reach = np.cumprod(matches, axis=1).sum(axis=1)
+        return int(ends[reach.size - 1 - int(np.argmax(reach[::-1]))])
 
     def acceptance(self, ngram: int, continuing: bool = False) -> float:
         """Estimated probability that a position is accepted given the previous ones were, for a
