@@ -2,7 +2,8 @@
 
 Runs ``target.generate(..., assistant_model=draft)`` with the full block verified (scheduler off,
 as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns, with
-the target's chat template, or as plain text for a tokenizer without one) and writes the aggregated per-round statistics of every draft, set and mode
+the target's chat template, or as plain text for a tokenizer without one) and writes the
+aggregated per-round statistics of every draft, set and mode
 (:func:`~dspark_hf.benchmarks.evaluation.measure_acceptance`) to ``--out``; ``--table FILES``
 prints the markdown table of two drafts' results instead.
 

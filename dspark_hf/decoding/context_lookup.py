@@ -11,9 +11,8 @@ round by expected tokens per second, the scheduler's currency:
   then keeps reading from its source, while a phrase the text keeps repeating is read from its
   latest use. (On the shipped bench sets, always taking the earliest occurrence, as transformers'
   prompt lookup does, cost GSM8K and MT-Bench rounds; always the most recent cost copy-heavy and
-  HumanEval rounds.) Its
-  acceptance is estimated online from the lookup rounds of the same call (a Beta prior, counts of
-  accepted and rejected positions), per match length and per state: a copy in progress (the
+  HumanEval rounds.) Its acceptance is estimated online from the lookup rounds of the same call (a
+  Beta prior, counts of accepted and rejected positions), per match length and per state: a copy in progress (the
   previous round verified a lookup proposal and accepted all of it) is far likelier to go on than
   a fresh match, and pooling the two made the estimate too low inside long copies and too high
   outside them. With the scheduler's step-rate table this gives the best proposal length ``l`` and
@@ -74,10 +73,11 @@ class ContextLookup:
     def __init__(self, max_tokens: int = 10, max_ngram: int = 3, search_window: int = 4096, max_context: int = 64,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0,
                  continuing_prior_acceptance: float = 0.8) -> None:
-        if max_tokens < 1 or max_ngram < 1 or search_window < 2:
+        if max_tokens < 1 or max_ngram < 1 or search_window < 2 or max_context < 1:
             raise ValueError(
-                f"Context lookup needs max_tokens >= 1, max_ngram >= 1 and search_window >= 2; got "
-                f"{max_tokens}, {max_ngram}, {search_window} (prompt_lookup_num_tokens, max_matching_ngram_size)."
+                f"Context lookup needs max_tokens >= 1, max_ngram >= 1, search_window >= 2 and max_context >= 1; got "
+                f"{max_tokens}, {max_ngram}, {search_window}, {max_context} (prompt_lookup_num_tokens, "
+                "max_matching_ngram_size)."
             )
         if not (0.0 < prior_acceptance < 1.0 and 0.0 < continuing_prior_acceptance < 1.0) or prior_weight <= 0:
             raise ValueError("prior_acceptance and continuing_prior_acceptance must be in (0, 1) and prior_weight > 0, "

@@ -205,8 +205,8 @@ def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
     went through :func:`optimize_for_cpu`) and ``module`` is a plain CPU ``nn.Linear`` of a dtype packed here, it is
     packed in place with ``source``'s crossover (no timing probe: this can run inside a generation, and
     it keeps a ``packed_min_rows`` the user chose); otherwise it is returned as it is."""
-    if isinstance(source, PackedLinear) and _skip_reason(module) is None \
-            and fast_path_unavailable_reason(module.weight.dtype) is None:
+    # The source's dtype passed its probe when it was packed: no second probe inside a generation.
+    if isinstance(source, PackedLinear) and _skip_reason(module) is None and module.weight.dtype == source.weight.dtype:
         pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1))
     return module
 
@@ -228,7 +228,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     Every ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
     docstring for why and what it costs): float32 always, bfloat16 and float16 where oneDNN has
     kernels for them on this CPU; the number of input rows from which the packed kernel is used is
-    measured per weight shape and dtype, so a kernel that does not pay here is not used. A model on CPU whose attention has grouped key/value heads
+    measured per weight shape and dtype, so a kernel that does not pay here is not used. A model on
+    CPU whose attention has grouped key/value heads
     and runs on transformers' ``sdpa`` switches to an attention function that does not copy the KV
     cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`; ``model.set_attn_implementation("sdpa")``
     undoes it). Outputs equal the stock model's within rounding

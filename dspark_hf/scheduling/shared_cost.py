@@ -7,7 +7,8 @@ makes its profiled prior reach the token counts of a batched round (``rows x (1 
 proposal)``), profiling the missing sizes once (cached) instead of extrapolating far beyond the
 table. A batch of R rows has its own cost model (``rows=R``), profiled with R rows: a forward of
 R rows x W tokens also attends over R contexts, and measured 1.3-1.4x a one-row forward of as many
-tokens (R = 8 and 16, SmolLM2 on CPU), which a table keyed by token count alone misread as drift. When live times drift far from the profile, :class:`_ProfileDrift` warns (once per target
+tokens (R = 8 and 16, SmolLM2 on CPU), which a table keyed by token count alone misread as drift.
+When live times drift far from the profile, :class:`_ProfileDrift` warns (once per target
 and process) and rewrites the cache file, never with slower times than it held: a run under load
 must not leave a profile that misleads later quiet runs.
 """

@@ -143,7 +143,8 @@ def sps_cache_key(model: torch.nn.Module, max_tokens: int, *, context_length: in
     ``-b<max_tokens>``, and a batched profile's ``rows`` before it as ``-r<rows>``. ``context_length``
     is first fitted to the target's positions (:func:`fitted_context_length`), as :func:`profile_sps` does.
     """
-    return f"{_base_key(model, fitted_context_length(model, context_length, max_tokens), rows)}-b{max_tokens}"
+    per_row = -(-max_tokens // rows)  # as profile_sps fits the context: the new tokens of one row
+    return f"{_base_key(model, fitted_context_length(model, context_length, per_row), rows)}-b{max_tokens}"
 
 
 def _valid_table(values: Any, min_length: int) -> bool:
