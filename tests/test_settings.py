@@ -110,6 +110,22 @@ def test_num_assistant_tokens_is_a_fixed_length_and_a_cap(target, stub_cost_mode
     assert _verified_lengths(draft) == set()  # no round drafted
 
 
+def test_candidate_generator_reports_its_longest_proposal(target, stub_cost_model):
+    """transformers >= 5.25 sizes a recurrent cache's rollback by ``num_drafting_tokens``."""
+    from dspark_hf.decoding.candidate_generator import DSparkCandidateGenerator
+
+    draft = _draft(target)
+
+    def longest(**kwargs):
+        config = _call_config(target, max_new_tokens=16, **kwargs)
+        config._eos_token_tensor = None  # set by generate() after the config is prepared
+        return DSparkCandidateGenerator(draft, target, config, None, batch_size=1).num_drafting_tokens
+
+    assert longest(num_assistant_tokens=3, dspark_verify_policy="scheduler", prompt_lookup_num_tokens=0) == 3
+    assert longest(num_assistant_tokens=2, dspark_verify_policy="scheduler", prompt_lookup_num_tokens=7) == 7
+    assert longest(num_assistant_tokens=0) == 0
+
+
 def test_assistant_confidence_threshold_is_a_per_position_threshold(target):
     draft = _draft(target)
     policy = resolve_verify_policy(draft, target, 1, _call_config(target, assistant_confidence_threshold=0.6))

@@ -99,6 +99,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._prefill_start: float | None = None
         self._embeds_offset = 0
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Most candidate tokens one round can propose (a draft block or a lookup copy).
+
+        transformers >= 5.25 reads it to size how far back a recurrent cache must be able to crop.
+        """
+        return max(self.rounds.max_draft_tokens, self.rounds.lookup_max_tokens)
+
     @torch.no_grad()
     def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
         """Adds the target hidden states of tokens the target processed since the last round."""
