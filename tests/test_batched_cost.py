@@ -193,3 +193,47 @@ def test_lookup_search_rests_while_the_joint_admission_keeps_refusing_copies(mon
     rounds = round(sum(1 / r.batch_rows for r in stats.rounds))
     assert all(r.verified == 0 for r in stats.rounds if r.source == "lookup")
     assert rounds > 40 and len(searches) < rounds, (len(searches), rounds)  # without resting: ~4 per round
+
+
+class FixedGate(DraftingGate):
+    """A drafting gate with a fixed answer; every question is logged in the class's ``asked``."""
+
+    answer = True
+    asked: list[bool] = []
+
+    def should_draft(self):
+        FixedGate.asked.append(self.answer)
+        return self.answer
+
+
+def test_a_batched_round_the_gate_refuses_proposes_nothing_not_even_a_lookup_copy(monkeypatch):
+    import dspark_hf.decoding.context_lookup as context_lookup
+
+    target, draft = _pair()
+    draft.generation_config.prompt_lookup_num_tokens = 6  # the repeated prompts offer copies
+    searches = []
+    original = context_lookup.ContextLookup.propose
+    monkeypatch.setattr(context_lookup.ContextLookup, "propose",
+                        lambda self, *a: searches.append(1) or original(self, *a))
+    prompts = [[7, 8, 9, 10] * 3, [11, 12, 13] * 4, [14, 15] * 5]
+    ids, mask = left_pad(prompts, PAD)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    outputs = {}
+    for answer in (True, False):
+        FixedGate.answer, FixedGate.asked = answer, []
+        searches.clear()
+        draft.generation_config.dspark_adaptive_drafting = FixedGate()
+        outputs[answer] = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                                          pad_token_id=PAD, assistant_model=draft)
+        stats = draft.last_generation_stats
+        rounds = round(sum(1 / r.batch_rows for r in stats.rounds))
+        # Once per batched round, whichever source the rows take; a last round with room for its
+        # bonus token only has nothing to propose and is not asked.
+        assert rounds - 1 <= len(FixedGate.asked) <= rounds
+        if answer:
+            assert searches and any(r.source == "lookup" and r.verified for r in stats.rounds)
+        else:  # every round is the target's plain batched step: no search, no copy, no draft
+            assert not searches and rounds >= 29
+            assert all(r.verified == 0 and not r.drafted and r.source == "dspark" for r in stats.rounds)
+    for answer, out in outputs.items():
+        assert torch.equal(out[:, : plain.shape[1]], plain), answer

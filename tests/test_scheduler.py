@@ -170,41 +170,54 @@ def test_extrapolation_beyond_the_table():
 
 def test_batch_hand_computed():
     # The batched forward is a rectangle: R rows x W = 1 + the longest admitted position, so
-    # Theta = E * SPS(R * W).
+    # Theta = E * SPS(R * W), and opening column j adds a_{r,j} of every row that has one.
     scheduler = PrefixScheduler([100, 100, 90, 80, 60, 50])
-    # a: r0 = 0.9, 0.72; r1 = 0.5, 0.25. Order (0,1), (0,2), (1,1), (1,2).
-    # W=1, B=2: best = 200; (0,1): W=2, B=4: 2.9 * 80 = 232; (0,2): W=3, B=6: 3.62 * 50 = 181 stop.
+    # a: r0 = 0.9, 0.72; r1 = 0.5, 0.25. W=1, B=2: best = 200; column 1: W=2, B=4:
+    # (2 + 0.9 + 0.5) * 80 = 272; column 2: W=3, B=6: (3.4 + 0.72 + 0.25) * 50 = 218.5 stop.
     confidences = [[0.9, 0.8], [0.5, 0.5]]
-    assert scheduler.batch_throughputs(confidences) == pytest.approx([200.0, 232.0, 181.0])
-    assert scheduler.admit_batch(confidences) == [1, 0]
-    # a: r0 = 0.9, 0.45; r1 = 0.6, 0.3: (0,1) 232; (1,1) adds no column: 3.5 * 80 = 280;
-    # (0,2): W=3, B=6: 3.95 * 50 = 197.5 stop.
-    assert scheduler.batch_throughputs([[0.9, 0.5], [0.6, 0.5]]) == pytest.approx([200.0, 232.0, 280.0, 197.5])
+    assert scheduler.batch_throughputs(confidences) == pytest.approx([200.0, 272.0, 218.5])
+    assert scheduler.admit_batch(confidences) == [1, 1]
+    # a: r0 = 0.9, 0.45; r1 = 0.6, 0.3: column 1: 3.5 * 80 = 280; column 2: 4.25 * 50 = 212.5 stop.
+    assert scheduler.batch_throughputs([[0.9, 0.5], [0.6, 0.5]]) == pytest.approx([200.0, 280.0, 212.5])
     assert scheduler.admit_batch([[0.9, 0.5], [0.6, 0.5]]) == [1, 1]
+
+
+def test_a_column_no_single_row_pays_for_is_opened_by_the_rows_together():
+    # Eight rows; one more column costs 29% (T(16) / T(8) as measured for SmolLM2 at R = 8 on
+    # the 2-core AMD EPYC). No row's first position (a = 0.6) pays for the column alone
+    # (8.6 / 8 < 1.29), all eight together do (12.8 / 8 > 1.29).
+    table = [1 / 56.9] * 15 + [1 / 73.5] * 8 + [1 / 87.9] * 8
+    scheduler = PrefixScheduler(table)
+    lengths = scheduler.admit_batch([[0.6, 0.5]] * 8)
+    assert lengths == [1] * 8
+    # c_2 = 0.5: a column adds 8 * 0.3 = 2.4 to E = 12.8; 15.2 / 12.8 < 87.9 / 73.5, so it stops.
+    assert scheduler.batch_throughputs([[0.6, 0.5]] * 8) == pytest.approx(
+        [8 / 56.9, 12.8 / 73.5, 15.2 / 87.9])
+    # Too little confidence in the column: nothing is verified.
+    assert scheduler.admit_batch([[0.2]] * 8) == [0] * 8
 
 
 def test_batch_three_requests_hand_computed():
     scheduler = PrefixScheduler([100, 100, 100, 100, 100, 90, 80, 70, 60])
-    # a: r0 = 0.5; r1 = 0.95, 0.285; r2 = 0.9. Order (1,1), (2,1), (0,1), (1,2).
-    # W=1, B=3: 300; (1,1): W=2, B=6: 3.95 * 90 = 355.5; (2,1) and (0,1) fit the same width:
-    # 4.85 * 90 = 436.5, 5.35 * 90 = 481.5; (1,2): W=3, B=9: 5.635 * 60 = 338.1 stop.
+    # a: r0 = 0.5; r1 = 0.95, 0.285; r2 = 0.9. W=1, B=3: 300; column 1: W=2, B=6:
+    # (3 + 0.5 + 0.95 + 0.9) * 90 = 481.5; column 2: W=3, B=9: 5.635 * 60 = 338.1 stop.
     confidences = [[0.5], [0.95, 0.3], [0.9]]
-    assert scheduler.batch_throughputs(confidences) == pytest.approx([300.0, 355.5, 436.5, 481.5, 338.1])
+    assert scheduler.batch_throughputs(confidences) == pytest.approx([300.0, 481.5, 338.1])
     assert scheduler.admit_batch(confidences) == [1, 1, 1]
-    # A lookup copy of 2 tokens already makes the forward 3 wide: every candidate up to j = 2 is free.
-    # W=3, B=9: 180; then 237, 291, 321, and (1,2) at the same width: 5.635 * 60 = 338.1.
-    assert scheduler.batch_throughputs(confidences, min_width=3) == pytest.approx([180.0, 237.0, 291.0, 321.0, 338.1])
+    # A lookup copy of 2 tokens already makes the forward 3 wide: every position up to j = 2 is
+    # free and verified. W=3, B=9: 5.635 * 60 = 338.1, and no column is left to open.
+    assert scheduler.batch_throughputs(confidences, min_width=3) == pytest.approx([338.1])
     assert scheduler.admit_batch(confidences, min_width=3) == [1, 2, 1]
 
 
-def test_batch_ties_keep_prefix_order():
+def test_batch_columns_hand_computed():
     scheduler = PrefixScheduler([10, 10, 10, 10, 10, 10, 1])
-    # c = 1 makes a_{r,j+1} == a_{r,j}: ties are broken by (r, j), so request 0's positions go
-    # first, in order: (0,1) W=2 30, (0,2) W=3 40, then (0,3) needs W=4, B=8: SPS = 1 * 7 / 8: stop.
-    assert scheduler.admit_batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == [2, 0]
-    assert scheduler.batch_throughputs([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == pytest.approx([20, 30, 40, 5 * 7 / 8])
-    # Equal a in the middle of request 1: (1,1) and (1,2) tie at 0.8 and keep their order:
-    # 20; (1,1) W=2 28; (1,2) W=3 36; (0,1) free 43; (1,3) W=4: 4.7 * 7 / 8 stop.
+    # c = 1: column 1 W=2 B=4: 4 * 10 = 40; column 2 W=3 B=6: 60; column 3 needs W=4, B=8,
+    # past the table: SPS = 1 * 7 / 8, 8 * 7 / 8 = 7: stop.
+    assert scheduler.admit_batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == [2, 2]
+    assert scheduler.batch_throughputs([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]) == pytest.approx([20, 40, 60, 7])
+    # Rows of different lengths: a: r0 = 0.7; r1 = 0.8, 0.8, 0.4. Column 1: 3.5 * 10 = 35;
+    # column 2 (row 1 only): 4.3 * 10 = 43; column 3: 4.7 * 7 / 8 stop.
     assert scheduler.admit_batch([[0.7], [0.8, 1.0, 0.5]]) == [1, 2]
 
 

@@ -10,9 +10,9 @@ One round for the R' rows still running (:class:`BatchedDSparkGeneration`, one m
    of the rows that draft (confidences ``c_{r,k}``); no draft forward when no row needs one, or
    when the drafting gate says drafting does not pay;
 3. schedule: ``policy.admit_batch`` over the drafted rows' confidences and the lookup copies'
-   estimated acceptance (paper Algorithm 1: candidates ``(r, k)`` admitted by descending prefix
-   survival while the expected throughput ``E * SPS(R x W)`` of the padded forward improves, with
-   the early stop that keeps it lossless);
+   estimated acceptance (paper Algorithm 1 on the padded forward: columns ``k = 1, 2, ...`` of
+   every row opened while the expected throughput ``E * SPS(R x (k + 1))`` improves, with the
+   early stop that keeps it lossless);
 4. verify: one target forward over the ragged batch ``[x0_r, d_{r,1..k_r}]`` (right-padded to the
    longest row);
 5. accept: per row, a greedy match, or speculative sampling against the draft's exact logits

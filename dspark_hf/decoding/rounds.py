@@ -310,8 +310,10 @@ class RoundPlan:
             which the batched loop's joint admission reads.
         drafting: whether the draft ran this round.
         gate_asked: whether the drafting gate decided it (some row would have drafted); those
-            rounds, drafted or not, teach the gate (rows verifying lookup copies included: they
+            rounds, drafted or not, teach the gate (at batch size 1 rows verifying lookup copies
             ride along either way).
+        speculating: batched loop: whether the gate lets this round propose anything at all
+            (lookup copies or drafts); a round it refuses is the target's plain batched step.
         draft_rows: the rows that drafted, (D,), in the order of ``sample``'s rows.
         sample: their serial sample (tokens, the logits they were drawn from, confidences).
         offered: per drafted row, the confidences the policy read: those offered one by one
@@ -332,6 +334,7 @@ class RoundPlan:
     lookup_confidences: dict[int, float] = field(default_factory=dict)
     drafting: bool = False
     gate_asked: bool = False
+    speculating: bool = True
     draft_rows: torch.Tensor | None = None
     sample: SerialSample | None = None
     offered: list[list[float]] = field(default_factory=list)
@@ -389,8 +392,16 @@ class RoundDecisions:
 
     def start(self, anchors: torch.LongTensor, room: list[int]) -> RoundPlan:
         """A new round for rows with anchors ``anchors`` and ``room[i]`` tokens left to emit."""
-        return RoundPlan(anchors=anchors, room=list(room), budgets=[min(self.max_draft_tokens, n - 1) for n in room],
+        plan = RoundPlan(anchors=anchors, room=list(room), budgets=[min(self.max_draft_tokens, n - 1) for n in room],
                          lengths=[0] * len(room), round_start=time.perf_counter())
+        if self.batched and self.gate is not None and any(n > 1 for n in room):
+            # Batched, copies widen the forward for every row as drafts do, so the gate decides
+            # whether the round proposes anything, against the plain batched step.
+            if self.cost_model is not None:
+                self.gate.plain_estimate = (len(room), self.cost_model.seconds(len(room)))
+            plan.gate_asked = True
+            plan.speculating = self.gate.should_draft()
+        return plan
 
     def lookup_sps(self) -> tuple[float, ...]:
         """The step-rate table the lookup choice reads (see :func:`~dspark_hf.scheduling.policies.lookup_step_rates`)."""
@@ -401,6 +412,8 @@ class RoundDecisions:
         """Each row's context-lookup proposal, kept where its chooser values it above DSpark
         (:func:`choose_lookup`, from the row's text so far, 1-D in ``sequences``, and its past
         rounds only); sets ``plan.lookups`` and those rows' ``plan.lengths``."""
+        if not plan.speculating:
+            return  # the gate made this batched round a plain step
         start = time.perf_counter()
         self.rounds_started += 1
         if self.lookup_refused >= LOOKUP_REFUSALS_BEFORE_RESTING and self.rounds_started % LOOKUP_PROBE_EVERY:
@@ -408,6 +421,8 @@ class RoundDecisions:
         sps = self.lookup_sps()
         for i, (chooser, sequence) in enumerate(zip(choosers, sequences)):
             budget = min(self.lookup_max_tokens, plan.room[i] - 1)
+            if budget < 1:
+                continue  # room for the bonus token only
             proposal, keep = choose_lookup(chooser, sequence, budget, sps, self.eos_id_set)
             if keep > 0:
                 plan.lookups[i], plan.lengths[i] = proposal, keep
@@ -418,10 +433,9 @@ class RoundDecisions:
         """The rows the draft runs for: no lookup copy and room for a draft token. None when the
         drafting gate says drafting does not pay (asked only when some row would draft)."""
         wanting = [i for i, budget in enumerate(plan.budgets) if i not in plan.lookups and budget > 0]
+        if self.batched:  # the gate decided at the start of the round
+            return wanting if plan.speculating else []
         plan.gate_asked = bool(wanting) and self.gate is not None
-        if plan.gate_asked and self.batched and self.cost_model is not None:
-            rows = len(plan.budgets)  # a plain batched step: one token per row, a forward of R tokens
-            self.gate.plain_estimate = (rows, self.cost_model.seconds(rows))
         if not wanting or (plan.gate_asked and not self.gate.should_draft()):
             return []
         return wanting
@@ -555,7 +569,9 @@ class RoundDecisions:
             admitted_any = any(plan.lengths[i] for i in plan.lookups)
             self.lookup_refused = 0 if admitted_any else self.lookup_refused + 1
         if plan.gate_asked:
-            record_gate_round(self.gate, drafted=plan.drafting, verified=sum(plan.lengths),
+            # Batched, the gate weighs whole rounds that were let speculate, copies included.
+            drafted = plan.speculating if self.batched else plan.drafting
+            record_gate_round(self.gate, drafted=drafted, verified=sum(plan.lengths),
                               produced=sum(accepted) + active, seconds=round_seconds,
                               drafting_seconds=plan.draft_time + plan.serial_time + plan.schedule_time,
                               sequences=active)

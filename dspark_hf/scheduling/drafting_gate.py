@@ -24,6 +24,10 @@ class DraftingGate:
     round's draft tokens, so the output stays exactly the target's (which tokens are proposed,
     or whether any are, never changes what speculative decoding emits).
 
+    In the batched loop the gate decides for the whole round: whether any row proposes anything
+    (a context-lookup copy widens the padded forward for every row as a draft does), so a batch
+    whose proposals lose falls back to the target's plain batched steps.
+
     Rates compare like with like: ``drafted`` rounds give (accepted + 1) tokens over their whole
     wall time (draft forward, serial loop, scheduler, verification); ``plain`` rounds give one
     token per sequence over their wall time. Both come from the last ``window`` rounds of each kind. A round
