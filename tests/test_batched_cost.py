@@ -237,3 +237,19 @@ def test_a_batched_round_the_gate_refuses_proposes_nothing_not_even_a_lookup_cop
             assert all(r.verified == 0 and not r.drafted and r.source == "dspark" for r in stats.rounds)
     for answer, out in outputs.items():
         assert torch.equal(out[:, : plain.shape[1]], plain), answer
+
+
+def test_a_batched_call_gets_a_gate_with_a_margin_and_the_margin_decides_ties():
+    from dspark_hf.decoding.settings import resolve_drafting_gate
+    from dspark_hf.scheduling.drafting_gate import BATCHED_GATE_MARGIN
+
+    target, draft = _pair()
+    policy = PrefixScheduler(FLAT_SPS)
+    assert resolve_drafting_gate(draft, policy, None, 1).margin == 0.0
+    assert resolve_drafting_gate(draft, policy, None, 4).margin == BATCHED_GATE_MARGIN > 0
+    gate = DraftingGate(min_rounds=1, margin=0.05)
+    gate.record_drafted(103, 1.0)
+    gate.record_plain(1.0, tokens=100)
+    assert not gate.should_draft()  # 3% faster than plain steps: within the margin, plain wins
+    gate.record_drafted(113, 1.0)  # now 8% faster on average
+    assert gate.should_draft()

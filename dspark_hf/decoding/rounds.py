@@ -387,6 +387,9 @@ class RoundDecisions:
         # Batched rounds in a row whose lookup copies the joint admission refused entirely: past a
         # few, the rows draft instead and the per-row search (Python per row) rests.
         self.lookup_refused, self.rounds_started = 0, 0
+        # Batched: when the last round was recorded. A batched round is charged from there, so the
+        # loop's work between rounds (compaction, finished rows leaving) counts where it is caused.
+        self.last_record: float | None = None
 
     # -- before the draft ----------------------------------------------------------------------
 
@@ -551,7 +554,9 @@ class RoundDecisions:
         shared), and the policy's cost model, each row's source chooser (``choosers[i]``) and the
         drafting gate learn from it."""
         now = time.perf_counter()
-        active, verify_time, round_seconds = len(plan.lengths), now - plan.verify_start, now - plan.round_start
+        began = self.last_record if self.batched and self.last_record is not None else plan.round_start
+        active, verify_time, round_seconds = len(plan.lengths), now - plan.verify_start, now - began
+        self.last_record = now
         width = 1 + max(plan.lengths)  # the forward was a rectangle: every row padded to the longest
         self.policy.observe_verify(active * width, verify_time)
         drafted = set(plan.draft_rows.tolist()) if plan.drafting else set()

@@ -49,7 +49,7 @@ from .context_lookup import ContextLookup
 # The draft's run-time state moved below the model; DraftRuntimeSettings and record_generation_stats
 # are still importable from here.
 from ..model.draft_runtime import GATE_FIELD, POLICY_FIELD, DraftRuntimeSettings, record_generation_stats
-from ..scheduling.drafting_gate import DraftingGate
+from ..scheduling.drafting_gate import BATCHED_GATE_MARGIN, DraftingGate
 from ..scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
 from ..scheduling.shared_cost import cost_model_covering, shared_cost_model
 
@@ -160,7 +160,7 @@ def resolve_settings(draft: PreTrainedModel, target: PreTrainedModel, generation
     policy = resolve_verify_policy(draft, target, num_rows, generation_config)
     return DSparkSettings(
         policy=policy,
-        gate=resolve_drafting_gate(draft, policy, generation_config),
+        gate=resolve_drafting_gate(draft, policy, generation_config, num_rows),
         lookup=resolve_context_lookup(draft, generation_config, policy),
         max_draft_tokens=_draft_token_cap(draft, generation_config),
     )
@@ -302,10 +302,11 @@ def _not_a_policy_message(policy: Any, source: str) -> str:
 
 
 def resolve_drafting_gate(draft: PreTrainedModel, policy: VerifyPolicy,
-                          generation_config: GenerationConfig | None = None) -> DraftingGate | None:
+                          generation_config: GenerationConfig | None = None, num_rows: int = 1) -> DraftingGate | None:
     """A fresh gate for this call from ``dspark_adaptive_drafting``: None (default) turns it on for
     the confidence-driven policies (scheduler, thresholds) and off for fixed lengths; True/False
-    force it; a :class:`DraftingGate` instance is copied (its settings, fresh history)."""
+    force it; a :class:`DraftingGate` instance is copied (its settings, fresh history). The gate
+    made here for a batch (``num_rows > 1``) asks for :data:`BATCHED_GATE_MARGIN`."""
     choice, where = _setting(GATE_FIELD, draft, generation_config)
     if isinstance(choice, DraftingGate):
         return copy.deepcopy(choice)
@@ -315,7 +316,9 @@ def resolve_drafting_gate(draft: PreTrainedModel, policy: VerifyPolicy,
         raise ValueError(
             f"{GATE_FIELD} (from {where}) must be None (the default), True, False or a DraftingGate, got {choice!r}."
         )
-    return DraftingGate() if choice else None
+    if not choice:
+        return None
+    return DraftingGate(margin=BATCHED_GATE_MARGIN) if num_rows > 1 else DraftingGate()
 
 
 def resolve_context_lookup(draft: PreTrainedModel, generation_config: GenerationConfig | None,

@@ -11,6 +11,10 @@ import math
 __all__ = ["DraftingGate"]
 
 
+# Batched rounds speculate only when they beat plain batched steps by this much (see DraftingGate).
+BATCHED_GATE_MARGIN = 0.05
+
+
 class DraftingGate:
     """Decides, from past rounds only, whether drafting pays this round.
 
@@ -43,15 +47,20 @@ class DraftingGate:
         probe_every: while drafting does not pay, draft on one round in this many (at least).
         min_rounds: drafted rounds observed before the gate may turn drafting off.
         probe_budget: the largest share of time probes may add while drafting is off.
+        margin: drafting stays on while its rate is at least ``1 + margin`` times the plain rate.
+            Batched generation's default gate uses :data:`BATCHED_GATE_MARGIN`: a batched round
+            that speculates is all but a tie with a plain one at large batches, and a tie lost
+            to noise costs a whole batch.
     """
 
     def __init__(self, window: int = 16, probe_every: int = 16, min_rounds: int = 4,
-                 probe_budget: float = 0.02) -> None:
-        if window < 1 or probe_every < 1 or min_rounds < 1 or not probe_budget > 0:
+                 probe_budget: float = 0.02, margin: float = 0.0) -> None:
+        if window < 1 or probe_every < 1 or min_rounds < 1 or not probe_budget > 0 or not margin >= 0:
             raise ValueError(
-                f"DraftingGate needs window, probe_every and min_rounds >= 1 and probe_budget > 0, got {window}, "
-                f"{probe_every}, {min_rounds}, {probe_budget}."
+                f"DraftingGate needs window, probe_every and min_rounds >= 1, probe_budget > 0 and margin >= 0, got "
+                f"{window}, {probe_every}, {min_rounds}, {probe_budget}, {margin}."
             )
+        self.margin = margin
         self.window = window
         self.probe_every = probe_every
         self.min_rounds = min_rounds
@@ -81,7 +90,7 @@ class DraftingGate:
         drafted, plain = self.drafted_rate(), self.plain_rate()
         if plain is None and self.plain_estimate is not None:
             plain = self.plain_estimate[0] / self.plain_estimate[1]
-        if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain:
+        if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain * (1.0 + self.margin):
             self._skipped_in_a_row = 0
             return True
         if self._skipped_in_a_row + 1 >= self.probe_interval():
@@ -111,5 +120,5 @@ class DraftingGate:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every}, "
-                f"probe_budget={self.probe_budget})")
+                f"probe_budget={self.probe_budget}, margin={self.margin})")
 
