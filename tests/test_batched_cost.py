@@ -246,7 +246,8 @@ def test_a_batched_call_gets_a_gate_with_a_margin_and_the_margin_decides_ties():
     target, draft = _pair()
     policy = PrefixScheduler(FLAT_SPS)
     assert resolve_drafting_gate(draft, policy, None, 1).margin == 0.0
-    assert resolve_drafting_gate(draft, policy, None, 4).margin == BATCHED_GATE_MARGIN > 0
+    batched = resolve_drafting_gate(draft, policy, None, 4)
+    assert batched.margin == BATCHED_GATE_MARGIN > 0 and batched.min_rounds == 2 and batched.probe_budget == 0.01
     gate = DraftingGate(min_rounds=1, margin=0.05)
     gate.record_drafted(103, 1.0)
     gate.record_plain(1.0, tokens=100)
