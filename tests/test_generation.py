@@ -180,7 +180,7 @@ class AlternatingGate:
 def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
     import dspark_hf.decoding.settings as settings
 
-    monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None: AlternatingGate())
+    monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None, num_rows=1: AlternatingGate())
     target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
     draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
     for prompt in _prompts(6, seed=3):
