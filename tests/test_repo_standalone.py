@@ -221,15 +221,19 @@ def test_the_training_script_runs_dspark_hf_commands_that_parse(tmp_path):
     (tmp_path / "examples").mkdir()
     script = tmp_path / "examples" / "train_smollm2_drafts.sh"
     script.write_text((REPO / "examples" / "train_smollm2_drafts.sh").read_text())
-    stubs, calls = tmp_path / "stubs", tmp_path / "calls.txt"
+    stubs, calls = tmp_path / "stubs", tmp_path / "calls"
     stubs.mkdir()
-    for tool in ("dspark-hf", "git", "tar"):  # one NUL-separated line of arguments per call
-        (stubs / tool).write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" {tool} "$@" >> "{calls}"\necho >> "{calls}"\n')
+    calls.mkdir()
+    for tool in ("dspark-hf", "git", "tar"):
+        # One file per call, NUL-separated arguments, named by the time it was made: the script
+        # runs two trainings at once, whose appends to one shared file could interleave.
+        (stubs / tool).write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" {tool} "$@" > '
+                                  f'"$(mktemp "{calls}/$(date +%s%N).XXXXXX")"\n')
         (stubs / tool).chmod(0o755)
     env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    commands = [line.strip("\0").split("\0") for line in calls.read_text().splitlines() if line.strip("\0")]
+    commands = [call.read_text().strip("\0").split("\0") for call in sorted(calls.iterdir())]
     dspark = [c[1:] for c in commands if c[0] == "dspark-hf"]
     assert [c[0] for c in dspark] == ["datagen", "train", "train", "train"]
     assert all(c[0] in cli.COMMANDS for c in dspark)
