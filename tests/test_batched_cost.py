@@ -254,3 +254,15 @@ def test_a_batched_call_gets_a_gate_with_a_margin_and_the_margin_decides_ties():
     assert not gate.should_draft()  # 3% faster than plain steps: within the margin, plain wins
     gate.record_drafted(113, 1.0)  # now 8% faster on average
     assert gate.should_draft()
+
+
+def test_the_batched_gate_is_not_asked_when_no_source_can_propose():
+    target, draft = _pair()
+    ids, mask = left_pad([[7, 8, 9, 10] * 3, [11, 12, 13] * 4], PAD)
+    FixedGate.answer, FixedGate.asked = True, []
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
+                          assistant_model=draft, num_assistant_tokens=0, prompt_lookup_num_tokens=0,
+                          dspark_adaptive_drafting=FixedGate())
+    assert FixedGate.asked == []  # nothing to propose: every round is a plain step the gate never weighs
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                             pad_token_id=PAD))

@@ -262,17 +262,18 @@ def record_gate_round(gate: GateRecorder | None, *, drafted: bool, verified: int
     """Feeds one DSpark round to the drafting gate (nothing without a gate).
 
     Args:
-        drafted: whether the round ran the draft.
+        drafted: whether the round ran the draft (batched: whether the gate let it propose
+            anything, copies included).
         verified: draft tokens the verify forward checked (all rows together).
         produced: tokens the round emitted (accepted + one per sequence).
         seconds: the round's wall time, verification included.
         drafting_seconds: the part spent drafting (draft forward, serial loop, schedule).
         sequences: rows in the round; a plain step produces one token per row.
 
-    Only rounds the gate decided are fed to it (some row would have drafted). A round the gate
-    turned off is a plain round: its tokens over its time, including the rows of a batch that
-    verified a context-lookup copy (they ride along whether or not the others draft, so both
-    rates carry them alike). A drafted round that verified nothing at all was a plain target step
+    Only rounds the gate decided are fed to it. A round the gate turned off is a plain round: its
+    tokens over its time (at batch size 1 including a context-lookup copy, which rides along
+    whether or not the draft runs, so both rates carry it alike; a batched round the gate turns
+    off proposes nothing). A drafted round that verified nothing at all was a plain target step
     too: its time without the drafting is what a plain step costs.
     """
     if gate is None:
@@ -397,7 +398,7 @@ class RoundDecisions:
         """A new round for rows with anchors ``anchors`` and ``room[i]`` tokens left to emit."""
         plan = RoundPlan(anchors=anchors, room=list(room), budgets=[min(self.max_draft_tokens, n - 1) for n in room],
                          lengths=[0] * len(room), round_start=time.perf_counter())
-        if self.batched and self.gate is not None and any(n > 1 for n in room):
+        if self.batched and self.gate is not None and self._can_propose(room):
             # Batched, copies widen the forward for every row as drafts do, so the gate decides
             # whether the round proposes anything, against the plain batched step.
             if self.cost_model is not None:
@@ -405,6 +406,10 @@ class RoundDecisions:
             plan.gate_asked = True
             plan.speculating = self.gate.should_draft()
         return plan
+
+    def _can_propose(self, room: list[int]) -> bool:
+        """Whether some row could verify a proposal this round (a source is on and it has room)."""
+        return max(self.max_draft_tokens, self.lookup_max_tokens) > 0 and any(n > 1 for n in room)
 
     def lookup_sps(self) -> tuple[float, ...]:
         """The step-rate table the lookup choice reads (see :func:`~dspark_hf.scheduling.policies.lookup_step_rates`)."""
@@ -434,7 +439,8 @@ class RoundDecisions:
 
     def drafting_rows(self, plan: RoundPlan) -> list[int]:
         """The rows the draft runs for: no lookup copy and room for a draft token. None when the
-        drafting gate says drafting does not pay (asked only when some row would draft)."""
+        drafting gate says drafting does not pay (at batch size 1 asked only when some row would
+        draft; batched, decided for the whole round in :meth:`start`)."""
         wanting = [i for i, budget in enumerate(plan.budgets) if i not in plan.lookups and budget > 0]
         if self.batched:  # the gate decided at the start of the round
             return wanting if plan.speculating else []

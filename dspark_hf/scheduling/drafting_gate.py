@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["DraftingGate"]
+__all__ = ["BATCHED_GATE_MARGIN", "DraftingGate"]
 
 
 # Batched rounds speculate only when they beat plain batched steps by this much (see DraftingGate).
@@ -75,9 +75,10 @@ class DraftingGate:
 
     @classmethod
     def for_batches(cls) -> "DraftingGate":
-        """The gate batched generation makes by default. A speculating round that verifies little
-        costs about 1.6 plain batched steps at ``R = 16`` on a CPU (the draft runs for every row),
-        so the gate learns from 2 rounds instead of 4, probes within 1% of the plain rounds' time
+        """The gate batched generation makes by default. The draft runs for every row, so a
+        speculating round that verifies little costs far more than a plain batched step at large
+        ``R`` (``benchmarks/batched_variants.py``, ``R = 16`` on a 2-core CPU: 0.57-0.63 s of
+        drafting per call, a plain step about 0.115 s); so the gate learns from 2 rounds instead of 4, probes within 1% of the plain rounds' time
         instead of 2%, and speculates only while it beats plain steps by
         :data:`BATCHED_GATE_MARGIN`."""
         return cls(min_rounds=2, probe_budget=0.01, margin=BATCHED_GATE_MARGIN)
