@@ -2,9 +2,15 @@
 
     python benchmarks/verify_cost.py                  # SmolLM2-135M-Instruct, 256-token context
     python benchmarks/verify_cost.py --context 1024 --sizes 1 2 4 8 16 --repeats 9
+    python benchmarks/verify_cost.py --compile mlp+norms --sizes 1 2 4 8 16   # a third model: compiled parts
 
 Both models run in one process, interleaved size by size and round by round (the machine's drift
 hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared are printed.
+
+``--compile`` adds a third model, the trial of compiling the step's small ops away: the stock model
+with the CPU grouped-query attention and ``torch.compile(..., dynamic=True)`` on each decoder
+layer's MLP and/or RMSNorms (stock weights: dynamo cannot trace the packed layers' private oneDNN
+op, so compiling on top of ``optimize_for_cpu`` fails). Its compile time is printed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
+from dspark_hf.kernels.cpu_attention import use_cpu_gqa_attention
 
 
 def _stepper(model, context, new_ids):
@@ -39,6 +46,19 @@ def _stepper(model, context, new_ids):
     return step
 
 
+def _compiled_copy(stock, parts: str):
+    """A copy of ``stock`` with the CPU GQA attention and the named parts of every decoder layer compiled."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    model = copy.deepcopy(stock)
+    use_cpu_gqa_attention(model)
+    names = {"mlp": ["mlp"], "norms": ["input_layernorm", "post_attention_layernorm"]}
+    for layer in model.model.layers:
+        for part in parts.split("+"):
+            for name in names[part]:
+                setattr(layer, name, torch.compile(getattr(layer, name), dynamic=True))
+    return model
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=256)
@@ -47,6 +67,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="the target's dtype (optimize_for_cpu leaves half-precision models as they are)")
+    parser.add_argument("--compile", choices=["none", "mlp", "norms", "mlp+norms"], default="none",
+                        help="also time a copy of the stock model with these parts of each layer compiled")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -60,6 +82,13 @@ def main(argv=None) -> dict:
     context = torch.randint(0, stock.config.vocab_size, (1, args.context), generator=generator)
     new_ids = torch.randint(0, stock.config.vocab_size, (1, max(args.sizes)), generator=generator)
     steppers = {"stock": _stepper(stock, context, new_ids), "prepared": _stepper(prepared, context, new_ids)}
+    compile_seconds = None
+    if args.compile != "none":
+        start = time.perf_counter()
+        steppers["compiled"] = _stepper(_compiled_copy(stock, args.compile), context, new_ids)
+        for b in args.sizes:  # compiles for the dynamic token count
+            steppers["compiled"](b)
+        compile_seconds = time.perf_counter() - start
     samples = {name: {b: [] for b in args.sizes} for name in steppers}
     for round_index in range(args.repeats + 1):  # round 0 warms up
         for b in args.sizes:
@@ -70,14 +99,20 @@ def main(argv=None) -> dict:
     medians = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in samples.items()}
     env = capture_environment()
     print(f"{env.get('cpu_model')}, {args.dtype}, context {args.context} tokens, {torch.get_num_threads()} threads, "
-          f"{args.repeats} interleaved rounds; packing took {pack_seconds:.2f} s")
+          f"{args.repeats} interleaved rounds; packing took {pack_seconds:.2f} s"
+          + (f"; compiling ({args.compile}) and its first steps took {compile_seconds:.1f} s" if compile_seconds else ""))
     print("B    stock ms  prepared ms  stock T(B)/T(1)  prepared T(B)/T(1)  stock/prepared")
     for b in args.sizes:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
+    if "compiled" in medians:
+        print("B    compiled ms  compiled T(B)/T(1)  stock/compiled")
+        for b in args.sizes:
+            c = medians["compiled"][b]
+            print(f"{b:<4} {1e3 * c:11.1f}  {c / medians['compiled'][args.sizes[0]]:18.2f}  {medians['stock'][b] / c:14.2f}")
     result = {"environment": env, "dtype": args.dtype, "context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
-              "median_seconds": medians}
+              "compile": args.compile, "compile_seconds": compile_seconds, "median_seconds": medians}
     write_json_result(result, args.out)
     return result
 

@@ -9,7 +9,7 @@ import torch
 
 import dspark_hf.decoding.batched as batched
 from dspark_hf import PrefixScheduler, StepCostModel
-from dspark_hf.decoding.rounds import record_gate_round
+from dspark_hf.scheduling.drafting_gate import record_gate_round
 from dspark_hf.scheduling.drafting_gate import DraftingGate
 from dspark_hf.scheduling.shared_cost import _ProfileDrift
 from generation_helpers import left_pad

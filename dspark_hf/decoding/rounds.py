@@ -16,8 +16,10 @@ module holds the pieces of that round that do not depend on which loop runs it:
 * round statistics (:class:`RoundStats`, :class:`DSparkGenerationStats`);
 * trimming a proposal after its first EOS (:func:`cut_after_first_eos`);
 * the lookup-or-draft choice of one sequence (:func:`choose_lookup`) and what each round teaches
-  the chooser (:func:`record_source_round`);
-* the drafting gate's bookkeeping (:func:`record_gate_round`).
+  the chooser (:func:`record_source_round`).
+
+What a round teaches the drafting gate is the gate's own business
+(:func:`~dspark_hf.scheduling.drafting_gate.record_gate_round`).
 
 It imports the policies' helpers (never the loops), so both loops may import it.
 """
@@ -28,12 +30,13 @@ import inspect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
 
 from .context_lookup import LookupProposal, SourceChooser
+from ..scheduling.drafting_gate import record_gate_round
 from ..scheduling.policies import VerifyPolicy, checked_admission, lookup_step_rates
 from .serial_block import NON_FINITE_DRAFT_WARNING, SerialSample
 
@@ -53,7 +56,6 @@ __all__ = [
     "RoundStats",
     "choose_lookup",
     "cut_after_first_eos",
-    "record_gate_round",
     "record_source_round",
 ]
 
@@ -242,48 +244,6 @@ def record_source_round(chooser: SourceChooser, lookup: LookupProposal | None, v
         chooser.record_lookup(lookup, verified, accepted)
     else:
         chooser.record_dspark(accepted + 1, verified, round_over_verify, sps)
-
-
-# ---------------------------------------------------------------------------------------------
-# Drafting-gate bookkeeping
-# ---------------------------------------------------------------------------------------------
-
-
-class GateRecorder(Protocol):
-    """What :func:`record_gate_round` needs of a gate (:class:`~dspark_hf.scheduler.DraftingGate`)."""
-
-    def record_drafted(self, tokens: int, seconds: float) -> None: ...
-
-    def record_plain(self, seconds: float, tokens: int = 1) -> None: ...
-
-
-def record_gate_round(gate: GateRecorder | None, *, drafted: bool, verified: int, produced: int, seconds: float,
-                      drafting_seconds: float, sequences: int = 1) -> None:
-    """Feeds one DSpark round to the drafting gate (nothing without a gate).
-
-    Args:
-        drafted: whether the round ran the draft (batched: whether the gate let it propose
-            anything, copies included).
-        verified: draft tokens the verify forward checked (all rows together).
-        produced: tokens the round emitted (accepted + one per sequence).
-        seconds: the round's wall time, verification included.
-        drafting_seconds: the part spent drafting (draft forward, serial loop, schedule).
-        sequences: rows in the round; a plain step produces one token per row.
-
-    Only rounds the gate decided are fed to it. A round the gate turned off is a plain round: its
-    tokens over its time (at batch size 1 including a context-lookup copy, which rides along
-    whether or not the draft runs, so both rates carry it alike; a batched round the gate turns
-    off proposes nothing). A drafted round that verified nothing at all was a plain target step
-    too: its time without the drafting is what a plain step costs.
-    """
-    if gate is None:
-        return
-    if not drafted:
-        gate.record_plain(seconds, tokens=produced)
-        return
-    gate.record_drafted(produced, seconds)
-    if verified == 0:
-        gate.record_plain(seconds - drafting_seconds, tokens=sequences)
 
 
 # ---------------------------------------------------------------------------------------------

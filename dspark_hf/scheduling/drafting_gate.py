@@ -7,8 +7,9 @@ speculative decoding emits; it only spares the draft's cost where drafting does 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
-__all__ = ["BATCHED_GATE_MARGIN", "DraftingGate"]
+__all__ = ["BATCHED_GATE_MARGIN", "DraftingGate", "GateRecorder", "record_gate_round"]
 
 
 # Batched rounds speculate only when they beat plain batched steps by this much (see DraftingGate).
@@ -132,3 +133,39 @@ class DraftingGate:
         return (f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every}, "
                 f"probe_budget={self.probe_budget}, margin={self.margin})")
 
+
+class GateRecorder(Protocol):
+    """What :func:`record_gate_round` needs of a gate (:class:`DraftingGate` or a gate of the user's own)."""
+
+    def record_drafted(self, tokens: int, seconds: float) -> None: ...
+
+    def record_plain(self, seconds: float, tokens: int = 1) -> None: ...
+
+
+def record_gate_round(gate: GateRecorder | None, *, drafted: bool, verified: int, produced: int, seconds: float,
+                      drafting_seconds: float, sequences: int = 1) -> None:
+    """Feeds one DSpark round to the drafting gate (nothing without a gate).
+
+    Args:
+        drafted: whether the round ran the draft (batched: whether the gate let it propose
+            anything, copies included).
+        verified: draft tokens the verify forward checked (all rows together).
+        produced: tokens the round emitted (accepted + one per sequence).
+        seconds: the round's wall time, verification included.
+        drafting_seconds: the part spent drafting (draft forward, serial loop, schedule).
+        sequences: rows in the round; a plain step produces one token per row.
+
+    Only rounds the gate decided are fed to it. A round the gate turned off is a plain round: its
+    tokens over its time (at batch size 1 including a context-lookup copy, which rides along
+    whether or not the draft runs, so both rates carry it alike; a batched round the gate turns
+    off proposes nothing). A drafted round that verified nothing at all was a plain target step
+    too: its time without the drafting is what a plain step costs.
+    """
+    if gate is None:
+        return
+    if not drafted:
+        gate.record_plain(seconds, tokens=produced)
+        return
+    gate.record_drafted(produced, seconds)
+    if verified == 0:
+        gate.record_plain(seconds - drafting_seconds, tokens=sequences)
