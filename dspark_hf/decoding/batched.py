@@ -66,6 +66,7 @@ from ..model.draft_runtime import record_generation_stats
 from ..model.modeling_dspark import DraftContextCache, DSparkDraftModel
 from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, cut_after_first_eos
 from .sampling import serial_sample
+from .serial_block import draw_categorical
 from .settings import resolve_settings
 from .stopping import first_stops, positional_criteria
 
@@ -165,7 +166,7 @@ def _speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, targe
     rows, width = proposed.shape
     p = torch.softmax(target_logits, dim=-1)
     if width == 0:
-        return torch.zeros(rows, dtype=torch.long, device=p.device), torch.multinomial(p[:, 0], 1).squeeze(1)
+        return torch.zeros(rows, dtype=torch.long, device=p.device), draw_categorical(p[:, 0])
     row_index = torch.arange(rows, device=p.device)
     p_tok = p[:, :width].gather(-1, proposed[..., None]).squeeze(-1)
     q_tok = torch.ones_like(p_tok)
@@ -189,7 +190,7 @@ def _speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, targe
     residual_sum = residual.sum(-1, keepdim=True)
     use_residual = (accepted < lengths)[:, None] & (residual_sum > 0)
     distribution = torch.where(use_residual, residual / residual_sum.clamp(min=1e-30), p_next)
-    return accepted, torch.multinomial(distribution, 1).squeeze(1)
+    return accepted, draw_categorical(distribution)
 
 
 class BatchedDSparkGeneration:
@@ -257,7 +258,7 @@ class BatchedDSparkGeneration:
         return self.processors(self.input_ids[:1], scores) if self.processors is not None else scores
 
     def pick(self, scores: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(-1) if self.do_sample else scores.argmax(-1)
+        return draw_categorical(torch.softmax(scores, -1)) if self.do_sample else scores.argmax(-1)
 
     def features(self, outputs, width: int) -> torch.Tensor:
         """The target hidden states the draft reads, for the last ``width`` slots."""

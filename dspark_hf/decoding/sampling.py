@@ -32,15 +32,14 @@ from ..model.heads import calibrated_confidences, confidence_logits
 from ..model.draft_vocab import markov_bias
 from ..model.modeling_dspark import DSparkDraftModel
 from .serial_block import (NON_FINITE_DRAFT_WARNING, SerialSample, add_markov_bias, admitted_sample,
-                           confidence_temperatures, inverse_cdf_sample, position_confidence)
+                           confidence_temperatures, draw_categorical, inverse_cdf_sample, position_confidence)
 
 BACKENDS = ("auto", "reference", "cuda")
 
 
 def _probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """``softmax(logits)`` for multinomial sampling. A row whose softmax is NaN (its largest logit is
-    NaN or infinite) becomes uniform instead of making ``torch.multinomial`` raise (or, on CUDA,
-    assert): the round is cut before such a position (:meth:`SerialSample.finite_lengths`), so
+    """``softmax(logits)`` for sampling. A row whose softmax is NaN (its largest logit is
+    NaN or infinite) becomes uniform instead of making the draw meaningless: the round is cut before such a position (:meth:`SerialSample.finite_lengths`), so
     neither it nor what is drawn from it is verified. Finite rows are unchanged (the same draw for
     the same seed)."""
     return torch.softmax(logits, dim=-1).nan_to_num_(nan=1.0)
@@ -90,7 +89,7 @@ class _SerialDraws:
         if self.do_sample and self.uniforms is not None:
             self.prev = inverse_cdf_sample(row, self.uniforms[:, k])
         elif self.do_sample:
-            self.prev = torch.multinomial(_probabilities(row), num_samples=1, generator=self.generator).squeeze(1)
+            self.prev = draw_categorical(_probabilities(row), self.generator)
         else:
             self.prev = row.argmax(dim=-1)
         if self.processors is not None:
@@ -122,7 +121,7 @@ def serial_sample(
             once the first position is admitted (a round that verifies nothing skips it).
         hidden_states: backbone hidden states ``h`` (final-normed), (R, gamma, d).
         anchor_ids: ``x_0``, the last accepted token, (R,).
-        do_sample: multinomial sampling if True, argmax otherwise.
+        do_sample: draw from ``softmax(logits)`` if True (:func:`draw_categorical`), argmax otherwise.
         logits_processor: transformers processors/warpers (temperature, top-k, top-p, repetition
             penalty, ...), applied at each position to the sequence ``prefix_ids + x_1..x_{k-1}``,
             exactly as the target applies them when verifying.
@@ -130,7 +129,7 @@ def serial_sample(
         generator: optional torch generator for sampling.
         uniforms: optional (R, gamma) numbers in [0, 1) to sample with: token k of row r becomes the
             inverse CDF of its distribution at ``uniforms[r, k]`` (:func:`inverse_cdf_sample`) instead
-            of a ``torch.multinomial`` draw. The CUDA op always samples this way (drawing the
+            of a :func:`draw_categorical` draw. The CUDA op always samples this way (drawing the
             uniforms with ``torch.rand`` when none are given, and returning them), so both paths fed
             the same uniforms give the same tokens, up to float rounding at a CDF boundary. Ignored
             when greedy.
