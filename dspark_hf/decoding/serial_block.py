@@ -5,7 +5,7 @@ Both return a :class:`SerialSample`, compute a position's confidence the same wa
 (:func:`position_confidence`, with the calibration temperatures of :func:`confidence_temperatures`),
 add the Markov bias with DeepSpec's arithmetic (:func:`add_markov_bias`) and, when given uniforms,
 sample by the same inverse-CDF rule (:func:`inverse_cdf_sample`). :func:`draw_categorical` is the
-one-draw-per-row sampler every CPU loop uses in place of ``torch.multinomial``. Keeping these here lets the
+one-draw-per-row sampler DSpark's loops use (on CPU in place of ``torch.multinomial``). Keeping these here lets the
 sampling module call into the op and the op use them without the two modules importing each other.
 """
 
@@ -147,8 +147,12 @@ def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = No
     sum and a binary search take a tenth of that; the serial loop draws at every draft position and
     the batched loop for every row each round. The sum runs in float64 and the uniform has 53 random
     bits, so every token's probability is matched to float64 rounding (a zero weight is never drawn,
-    because the search returns the first index whose cumulative sum exceeds the target).
+    because the search returns the first index whose cumulative sum exceeds the target). Off the CPU
+    it is ``torch.multinomial`` itself (a fused GPU kernel; checking rows on the host would wait
+    for the device every draw).
     """
+    if probs.device.type != "cpu":  # a fused kernel there, and checking the rows would wait for the device
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
     cdf = probs.to(torch.float64).cumsum(dim=-1)
     totals = cdf[:, -1]
     if not bool(((totals > 0) & torch.isfinite(totals)).all()):
