@@ -7,7 +7,7 @@ SmolLM2 prepared with the shipped v3 draft; one left-padded batch of GSM8K, Huma
 prompts (every third of the first 8 per set, so the sets mix), 128 new tokens per row. Each repeat
 runs the target, then every variant, on the same batch with the same seed, and prints tokens per
 second, the time in each part of the rounds (draft forward, serial loop, decisions, verify
-forwards), how many row-rounds drafted, and per source (draft or lookup copy) the rounds, verified
+forwards), how many row-rounds drafted (``--trace``: which rounds), and per source (draft or lookup copy) the rounds, verified
 and accepted tokens. The last line is each variant's total time against the target's, over all
 repeats. Variants:
 
@@ -64,6 +64,19 @@ def describe_rounds(stats) -> str:
             + "; ".join(f"{k}: {v[0]} rounds, {v[1]} verified, {v[2]} accepted" for k, v in sorted(by_source.items())))
 
 
+def round_trace(stats) -> str:
+    """One character per batched round, in order: ``D`` some row verified drafted tokens, ``d`` the
+    draft ran but nothing of it was verified, ``L`` only lookup copies were verified, ``.`` a plain step."""
+    marks, rounds, i = [], stats.rounds, 0
+    while i < len(rounds):
+        group = rounds[i:i + rounds[i].batch_rows]
+        i += len(group)
+        drafted_verified = any(r.drafted and r.verified for r in group)
+        marks.append("D" if drafted_verified else "d" if any(r.drafted for r in group)
+                     else "L" if any(r.verified for r in group) else ".")
+    return "".join(marks)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -73,6 +86,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft", default=str(DRAFT))
+    parser.add_argument("--trace", action="store_true", help="print each call's rounds (see round_trace)")
     args = parser.parse_args(argv)
     target, tokenizer = load_smollm2()
     draft = DSparkDraftModel.from_pretrained(args.draft).float().eval()
@@ -98,6 +112,8 @@ def main(argv=None) -> dict:
             line = f"{name:14s} repeat {repeat}: {seconds:.2f} s, {tokens / seconds:.1f} tok/s"
             if name != "target":
                 line += "; " + describe_rounds(draft.last_generation_stats)
+                if args.trace:
+                    line += "\n    rounds: " + round_trace(draft.last_generation_stats)
             print(line, flush=True)
     ratios = {name: totals["target"] / seconds for name, seconds in totals.items() if name != "target"}
     print("target time / variant time over all repeats: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
