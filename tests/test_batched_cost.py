@@ -118,7 +118,7 @@ def test_a_drifted_profile_is_rewritten_only_where_the_live_times_are_faster(tmp
 
 
 def test_the_gate_learns_rounds_it_turned_off_even_with_lookup_rows_riding_along():
-    gate = DraftingGate(min_rounds=1)
+    gate = DraftingGate(min_rounds=1, warmup_rounds=0)
     record_gate_round(gate, drafted=True, verified=8, produced=6, seconds=1.0, drafting_seconds=0.2, sequences=4)
     record_gate_round(gate, drafted=False, verified=5, produced=9, seconds=1.0, drafting_seconds=0.0, sequences=4)
     assert gate.drafted_rate() == 6.0 and gate.plain_rate() == 9.0  # 4 plain tokens + a lookup row's 5
@@ -248,7 +248,7 @@ def test_a_batched_call_gets_a_gate_with_a_margin_and_the_margin_decides_ties():
     assert resolve_drafting_gate(draft, policy, None, 1).margin == 0.0
     batched = resolve_drafting_gate(draft, policy, None, 4)
     assert batched.margin == BATCHED_GATE_MARGIN > 0 and batched.min_rounds == 2 and batched.probe_budget == 0.01
-    gate = DraftingGate(min_rounds=1, margin=0.05)
+    gate = DraftingGate(min_rounds=1, margin=0.05, warmup_rounds=0)
     gate.record_drafted(103, 1.0)
     gate.record_plain(1.0, tokens=100)
     assert not gate.should_draft()  # 3% faster than plain steps: within the margin, plain wins

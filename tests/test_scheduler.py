@@ -492,7 +492,7 @@ def test_from_model_builds_a_scheduler(tiny_llama, tmp_path):
 
 
 def test_drafting_gate_explores_then_skips_with_probes():
-    gate = DraftingGate(window=4, probe_every=5, min_rounds=2, probe_budget=10.0)  # probe_every governs
+    gate = DraftingGate(window=4, probe_every=5, min_rounds=2, probe_budget=10.0, warmup_rounds=0)  # probe_every governs
     assert gate.should_draft()  # nothing observed yet
     gate.record_drafted(1, 0.15)  # 1 token in 150 ms: a draft that never hits
     assert gate.should_draft()  # fewer than min_rounds drafted rounds
@@ -504,20 +504,20 @@ def test_drafting_gate_explores_then_skips_with_probes():
 
 
 def test_drafting_gate_spaces_costly_probes_to_keep_within_its_budget():
-    gate = DraftingGate(window=4, probe_every=5, min_rounds=1)  # probe_budget 2%
+    gate = DraftingGate(window=4, probe_every=5, min_rounds=1, warmup_rounds=0)  # probe_budget 2%
     gate.record_drafted(16, 0.30)  # a batch of 16 rows: a drafted round costs 300 ms
     gate.record_plain(0.12, tokens=16)  # a plain batched step 120 ms: 133 tokens/s beats 53
     assert gate.probe_interval() == 75  # (0.30 - 0.12) / (0.02 * 0.12)
     decisions = [gate.should_draft() for _ in range(150)]
     assert decisions.count(True) == 2 and decisions[74] and decisions[149]
-    cheap = DraftingGate(window=4, probe_every=5, min_rounds=1)
+    cheap = DraftingGate(window=4, probe_every=5, min_rounds=1, warmup_rounds=0)
     cheap.record_drafted(1, 0.0605)
     cheap.record_plain(0.06)
     assert cheap.probe_interval() == 5  # a probe barely dearer than a plain step: probe_every
 
 
 def test_drafting_gate_resumes_when_drafting_pays_again():
-    gate = DraftingGate(window=3, probe_every=4, min_rounds=1)
+    gate = DraftingGate(window=3, probe_every=4, min_rounds=1, warmup_rounds=0)
     gate.record_drafted(1, 0.15)
     gate.record_plain(0.06)
     assert not gate.should_draft()
@@ -530,6 +530,29 @@ def test_drafting_gate_resumes_when_drafting_pays_again():
 def test_drafting_gate_rejects_bad_settings():
     with pytest.raises(ValueError, match="window"):
         DraftingGate(window=0)
+    with pytest.raises(ValueError, match="warmup_rounds >= 0"):
+        DraftingGate(warmup_rounds=-1)
+
+
+def test_drafting_gate_does_not_record_its_warm_up_round():
+    """The first drafted round of a call ran cold (0.26 s against 0.07 s, R = 4 on the 2-core CPU):
+    recorded, it turned drafting off for the whole call (the second assert fails with warmup_rounds=0)."""
+    from dspark_hf.scheduling.drafting_gate import record_gate_round
+
+    def run(warmup_rounds):
+        gate = DraftingGate(min_rounds=2, warmup_rounds=warmup_rounds)
+        for seconds in (0.26, 0.07, 0.07):  # 7 tokens per drafted round; the last two ran warm
+            record_gate_round(gate, drafted=True, verified=4, produced=7, seconds=seconds, drafting_seconds=0.02,
+                              sequences=4)
+        record_gate_round(gate, drafted=False, verified=0, produced=4, seconds=0.045, drafting_seconds=0.0, sequences=4)
+        return gate
+
+    warm = run(1)
+    assert warm.drafted_rate() == pytest.approx(14 / 0.14) and warm.should_draft()  # 100 tok/s beat 89
+    assert not run(0).should_draft()  # 21 tokens in 0.40 s: 52 tok/s, and the probes ~100 rounds apart
+    cold_plain = DraftingGate(warmup_rounds=1)
+    record_gate_round(cold_plain, drafted=True, verified=0, produced=4, seconds=0.3, drafting_seconds=0.05, sequences=4)
+    assert cold_plain.plain_rate() is None  # the cold verify forward is no plain step's time either
 
 
 @pytest.mark.parametrize("policy", [PrefixScheduler([1.0, 0.8, 0.7, 0.65]), ThresholdPolicy(0.3), FixedLengthPolicy(2)])

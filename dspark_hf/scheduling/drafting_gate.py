@@ -48,6 +48,10 @@ class DraftingGate:
         probe_every: while drafting does not pay, draft on one round in this many (at least).
         min_rounds: drafted rounds observed before the gate may turn drafting off.
         probe_budget: the largest share of time probes may add while drafting is off.
+        warmup_rounds: the first drafted rounds of a call, whose timings the gate does not record.
+            The first use of the draft's and the verify's shapes in a process includes one-off
+            work (at ``R = 4`` on a 2-core CPU the first drafted round took 0.26 s, the next ones
+            0.06-0.07 s): counted, it turned drafting off for a whole call whose drafting paid.
         margin: drafting stays on while its rate is at least ``1 + margin`` times the plain rate.
             Batched generation's default gate uses :data:`BATCHED_GATE_MARGIN`: a batched round
             that speculates is all but a tie with a plain one at large batches, and a tie lost
@@ -55,12 +59,15 @@ class DraftingGate:
     """
 
     def __init__(self, window: int = 16, probe_every: int = 16, min_rounds: int = 4,
-                 probe_budget: float = 0.02, margin: float = 0.0) -> None:
-        if window < 1 or probe_every < 1 or min_rounds < 1 or not probe_budget > 0 or not margin >= 0:
+                 probe_budget: float = 0.02, margin: float = 0.0, warmup_rounds: int = 1) -> None:
+        if (window < 1 or probe_every < 1 or min_rounds < 1 or not probe_budget > 0 or not margin >= 0
+                or warmup_rounds < 0):
             raise ValueError(
-                f"DraftingGate needs window, probe_every and min_rounds >= 1, probe_budget > 0 and margin >= 0, got "
-                f"{window}, {probe_every}, {min_rounds}, {probe_budget}, {margin}."
+                f"DraftingGate needs window, probe_every and min_rounds >= 1, probe_budget > 0, margin >= 0 and "
+                f"warmup_rounds >= 0, got {window}, {probe_every}, {min_rounds}, {probe_budget}, {margin}, {warmup_rounds}."
             )
+        self.warmup_rounds = warmup_rounds
+        self._warmup_left = warmup_rounds
         self.margin = margin
         self.window = window
         self.probe_every = probe_every
@@ -79,7 +86,7 @@ class DraftingGate:
         """The gate batched generation makes by default. The draft runs for every row, so a
         speculating round that verifies little costs far more than a plain batched step at large
         ``R`` (``benchmarks/batched_variants.py``, ``R = 16`` on a 2-core CPU: 0.57-0.63 s of
-        drafting per call, a plain step about 0.115 s); so the gate learns from 2 rounds instead of 4, probes within 1% of the plain rounds' time
+        drafting per call, a plain step about 0.115 s); so the gate learns from 2 rounds (after its warm-up round) instead of 4, probes within 1% of the plain rounds' time
         instead of 2%, and speculates only while it beats plain steps by
         :data:`BATCHED_GATE_MARGIN`."""
         return cls(min_rounds=2, probe_budget=0.01, margin=BATCHED_GATE_MARGIN)
@@ -121,8 +128,17 @@ class DraftingGate:
         extra = max(drafted - plain, 0.0)
         return max(self.probe_every, math.ceil(extra / max(self.probe_budget * plain, 1e-12)))
 
+    @property
+    def warming_up(self) -> bool:
+        """Whether the next drafted round is still a warm-up round (its timing is not recorded)."""
+        return self._warmup_left > 0
+
     def record_drafted(self, tokens: int, seconds: float) -> None:
-        """A round that ran the draft produced ``tokens`` (accepted + bonus) in ``seconds``."""
+        """A round that ran the draft produced ``tokens`` (accepted + bonus) in ``seconds``
+        (ignored while :attr:`warming_up`)."""
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+            return
         self._drafted = (self._drafted + [(tokens, seconds)])[-self.window :]
 
     def record_plain(self, seconds: float, tokens: int = 1) -> None:
@@ -131,7 +147,7 @@ class DraftingGate:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every}, "
-                f"probe_budget={self.probe_budget}, margin={self.margin})")
+                f"probe_budget={self.probe_budget}, margin={self.margin}, warmup_rounds={self.warmup_rounds})")
 
 
 class GateRecorder(Protocol):
@@ -159,13 +175,15 @@ def record_gate_round(gate: GateRecorder | None, *, drafted: bool, verified: int
     tokens over its time (at batch size 1 including a context-lookup copy, which rides along
     whether or not the draft runs, so both rates carry it alike; a batched round the gate turns
     off proposes nothing). A drafted round that verified nothing at all was a plain target step
-    too: its time without the drafting is what a plain step costs.
+    too: its time without the drafting is what a plain step costs (not while the gate is
+    warming up: that forward ran cold as well).
     """
     if gate is None:
         return
     if not drafted:
         gate.record_plain(seconds, tokens=produced)
         return
+    warming_up = getattr(gate, "warming_up", False)  # its verify forward was cold too
     gate.record_drafted(produced, seconds)
-    if verified == 0:
+    if verified == 0 and not warming_up:
         gate.record_plain(seconds - drafting_seconds, tokens=sequences)
