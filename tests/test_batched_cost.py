@@ -5,6 +5,7 @@ slowed by a loaded run; the draft's context brought up to date only when the dra
 import json
 import math
 
+import pytest
 import torch
 
 import dspark_hf.decoding.batched as batched
@@ -160,15 +161,16 @@ def test_the_draft_context_deferred_to_the_next_draft_equals_one_updated_every_r
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_a_gate_that_never_saw_a_plain_round_compares_with_the_cost_models_estimate():
-    gate = DraftingGate(min_rounds=2)
+def test_a_gate_that_never_saw_a_plain_round_times_one_instead_of_trusting_the_estimate():
+    gate = DraftingGate(min_rounds=2, warmup_rounds=0)
     for _ in range(3):  # every round verified something: no plain round was ever timed
         gate.record_drafted(10, 0.20)  # 8 rows, 10 tokens in 200 ms: 50 tokens/s
-    assert gate.should_draft()  # nothing to compare with
-    gate.plain_estimate = (8, 0.10)  # the cost model: a plain step of 8 rows in 100 ms, 80 tokens/s
+    assert gate.should_draft()  # batch size 1 (no estimate): nothing to compare with
+    gate.plain_estimate = (8, 0.25)  # batched: the cost model says 32 tokens/s, drafting would win
+    assert not gate.should_draft()  # but a profile can be off by x2: time one plain round
+    gate.record_plain(0.10, tokens=8)  # 80 tokens/s
     assert not gate.should_draft()
-    gate.plain_estimate = (8, 0.25)  # 32 tokens/s: drafting pays
-    assert gate.should_draft()
+    assert gate.plain_rate() == pytest.approx(80.0)
 
 
 def test_lookup_search_rests_while_the_joint_admission_keeps_refusing_copies(monkeypatch):

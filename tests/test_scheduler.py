@@ -534,6 +534,25 @@ def test_drafting_gate_rejects_bad_settings():
         DraftingGate(warmup_rounds=-1)
 
 
+def test_drafting_gate_times_a_plain_round_instead_of_trusting_its_estimate():
+    """A cost-model estimate of the plain step (batched) is a prior: after min_rounds drafted rounds
+    the gate takes one plain round, and from then on compares with what it timed."""
+    gate = DraftingGate(min_rounds=2, warmup_rounds=0)
+    gate.plain_estimate = (16, 0.4)  # a profile taken under load: 40 tokens/s
+    gate.record_drafted(20, 0.2)  # 100 tokens/s: far above the estimate
+    assert gate.should_draft()  # fewer than min_rounds drafted rounds
+    gate.record_drafted(20, 0.2)
+    assert not gate.should_draft()  # time a plain round before trusting the estimate
+    gate.record_plain(0.1, tokens=16)  # the real plain step: 160 tokens/s beats drafting
+    assert not gate.should_draft()
+    fast_draft = DraftingGate(min_rounds=1, warmup_rounds=0)
+    fast_draft.plain_estimate = (16, 0.4)
+    fast_draft.record_drafted(40, 0.2)
+    assert not fast_draft.should_draft()
+    fast_draft.record_plain(0.4, tokens=16)  # the estimate was right: 200 tokens/s beat 40
+    assert fast_draft.should_draft()
+
+
 def test_drafting_gate_does_not_record_its_warm_up_round():
     """The first drafted round of a call ran cold (0.26 s against 0.07 s, R = 4 on the 2-core CPU):
     recorded, it turned drafting off for the whole call (the second assert fails with warmup_rounds=0)."""

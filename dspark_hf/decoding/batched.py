@@ -340,9 +340,7 @@ class BatchedDSparkGeneration:
         if not wanting:
             return
         t0 = time.perf_counter()
-        pending = self.update_draft_context()
-        if pending > 1:  # rounds the draft skipped: owed whatever this round decides (see RoundPlan)
-            plan.catch_up_time = (time.perf_counter() - t0) * (pending - 1) / pending
+        self.update_draft_context()
         active = len(self.rows)
         block_ids = torch.full((active, self.gamma), self.draft.config.mask_token_id, dtype=torch.long,
                                device=self.device)
@@ -413,15 +411,13 @@ class BatchedDSparkGeneration:
                                      kept_slots.to(self.draft_device)))
         self.next_position = self.next_position + accepted + 1
 
-    def update_draft_context(self) -> int:
-        """Adds the rounds' target features not yet in the draft's context cache, in one call;
-        returns how many rounds' features that was."""
-        pending = len(self.pending_context)
-        if pending:
-            features, positions, kept = (torch.cat(parts, dim=1) for parts in zip(*self.pending_context))
-            self.pending_context = []
-            self.draft.add_context(self.draft_cache, features, positions, kept)
-        return pending
+    def update_draft_context(self) -> None:
+        """Adds the rounds' target features not yet in the draft's context cache, in one call."""
+        if not self.pending_context:
+            return
+        features, positions, kept = (torch.cat(parts, dim=1) for parts in zip(*self.pending_context))
+        self.pending_context = []
+        self.draft.add_context(self.draft_cache, features, positions, kept)
 
     def emit(self, verify_ids: torch.LongTensor, accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Appends each row's accepted tokens and its next token, then applies the stopping criteria."""

@@ -285,9 +285,6 @@ class RoundPlan:
         draft_time, serial_time, schedule_time: seconds in the draft forward (LM head included),
             the serial loop (the incremental policy included) and the rest of the decisions (the
             lookup search, the policy on the whole block, the cuts).
-        catch_up_time: batched: the part of ``draft_time`` that brought the draft's context up to
-            date with rounds before the last (the draft had not run in them). That work is owed
-            whatever this round decides, so the drafting gate does not charge it to this round.
     """
 
     anchors: torch.LongTensor
@@ -308,7 +305,6 @@ class RoundPlan:
     draft_time: float = 0.0
     serial_time: float = 0.0
     schedule_time: float = 0.0
-    catch_up_time: float = 0.0
 
     def source(self, row: int) -> str:
         """``"lookup"`` when row ``row`` verifies a context-lookup copy, else ``"dspark"`` (drafted or a plain step)."""
@@ -547,7 +543,6 @@ class RoundDecisions:
             # Batched, the gate weighs whole rounds that were let speculate, copies included.
             drafted = plan.speculating if self.batched else plan.drafting
             record_gate_round(self.gate, drafted=drafted, verified=sum(plan.lengths),
-                              produced=sum(accepted) + active, seconds=round_seconds - plan.catch_up_time,
-                              drafting_seconds=(plan.draft_time - plan.catch_up_time + plan.serial_time
-                                                + plan.schedule_time),
+                              produced=sum(accepted) + active, seconds=round_seconds,
+                              drafting_seconds=plan.draft_time + plan.serial_time + plan.schedule_time,
                               sequences=active)

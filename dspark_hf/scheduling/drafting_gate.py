@@ -13,7 +13,7 @@ __all__ = ["BATCHED_GATE_MARGIN", "DraftingGate", "GateRecorder", "record_gate_r
 
 
 # Batched rounds speculate only when they beat plain batched steps by this much (see DraftingGate).
-BATCHED_GATE_MARGIN = 0.05
+BATCHED_GATE_MARGIN = 0.10
 
 
 class DraftingGate:
@@ -77,8 +77,9 @@ class DraftingGate:
         self._plain: list[tuple[int, float]] = []  # (tokens produced, seconds) of plain target steps
         self._skipped_in_a_row = 0
         # (tokens, seconds) a plain round is expected to give, set by the caller from a cost model;
-        # read only while no plain round has been observed (a batch whose every round verifies
-        # something would otherwise never learn what drafting competes with).
+        # read only while no plain round has been observed and fewer than min_rounds drafted
+        # rounds were timed; then one plain round is taken to time it (a batch whose every round
+        # verifies something would otherwise never learn what drafting competes with).
         self.plain_estimate: tuple[int, float] | None = None
 
     @classmethod
@@ -107,6 +108,11 @@ class DraftingGate:
         """Whether to run the draft this round."""
         drafted, plain = self.drafted_rate(), self.plain_rate()
         if plain is None and self.plain_estimate is not None:
+            if len(self._drafted) >= self.min_rounds:
+                # The estimate is a prior (a profile may have been taken under other load: drift x2
+                # in a batched run here kept a losing batch speculating); once drafting is timed,
+                # one plain round times what it competes with.
+                return False
             plain = self.plain_estimate[0] / self.plain_estimate[1]
         if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain * (1.0 + self.margin):
             self._skipped_in_a_row = 0
