@@ -76,10 +76,11 @@ class DraftingGate:
         self._drafted: list[tuple[int, float]] = []  # (tokens produced, seconds)
         self._plain: list[tuple[int, float]] = []  # (tokens produced, seconds) of plain target steps
         self._skipped_in_a_row = 0
-        # (tokens, seconds) a plain round is expected to give, set by the caller from a cost model;
-        # read only while no plain round has been observed and fewer than min_rounds drafted
-        # rounds were timed; then one plain round is taken to time it (a batch whose every round
-        # verifies something would otherwise never learn what drafting competes with).
+        # (tokens, seconds) a plain round is expected to give, set by the batched loop from its cost
+        # model. Not compared with: a profile can be off by x2 on a loaded machine. It marks a gate
+        # that must time a plain round itself: once min_rounds drafted rounds are timed and no plain
+        # round is, the next round is plain (a batch whose every round verifies something would
+        # otherwise never learn what drafting competes with).
         self.plain_estimate: tuple[int, float] | None = None
 
     @classmethod
@@ -87,9 +88,9 @@ class DraftingGate:
         """The gate batched generation makes by default. The draft runs for every row, so a
         speculating round that verifies little costs far more than a plain batched step at large
         ``R`` (``benchmarks/batched_variants.py``, ``R = 16`` on a 2-core CPU: 0.57-0.63 s of
-        drafting per call, a plain step about 0.115 s); so the gate learns from 2 rounds (after its warm-up round) instead of 4, probes within 1% of the plain rounds' time
-        instead of 2%, and speculates only while it beats plain steps by
-        :data:`BATCHED_GATE_MARGIN`."""
+        drafting per call, a plain step about 0.115 s); so the gate learns from 2 rounds (after
+        its warm-up round) instead of 4, probes within 1% of the plain rounds' time instead of 2%,
+        and speculates only while it beats plain steps by :data:`BATCHED_GATE_MARGIN`."""
         return cls(min_rounds=2, probe_budget=0.01, margin=BATCHED_GATE_MARGIN)
 
     def drafted_rate(self) -> float | None:
@@ -107,13 +108,8 @@ class DraftingGate:
     def should_draft(self) -> bool:
         """Whether to run the draft this round."""
         drafted, plain = self.drafted_rate(), self.plain_rate()
-        if plain is None and self.plain_estimate is not None:
-            if len(self._drafted) >= self.min_rounds:
-                # The estimate is a prior (a profile may have been taken under other load: drift x2
-                # in a batched run here kept a losing batch speculating); once drafting is timed,
-                # one plain round times what it competes with.
-                return False
-            plain = self.plain_estimate[0] / self.plain_estimate[1]
+        if plain is None and self.plain_estimate is not None and len(self._drafted) >= self.min_rounds:
+            return False  # time a plain round (see plain_estimate)
         if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain * (1.0 + self.margin):
             self._skipped_in_a_row = 0
             return True
