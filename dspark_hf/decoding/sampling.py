@@ -38,8 +38,9 @@ BACKENDS = ("auto", "reference", "cuda")
 
 
 def _probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """``softmax(logits)`` for sampling. A row whose softmax is NaN (its largest logit is
-    NaN or infinite) becomes uniform instead of making the draw meaningless: the round is cut before such a position (:meth:`SerialSample.finite_lengths`), so
+    """``softmax(logits)`` for sampling. A row whose softmax is NaN (its largest logit is NaN or
+    infinite) becomes uniform instead of making :func:`draw_categorical` raise: the round is cut
+    before such a position (:meth:`SerialSample.finite_lengths`), so
     neither it nor what is drawn from it is verified. Finite rows are unchanged (the same draw for
     the same seed)."""
     return torch.softmax(logits, dim=-1).nan_to_num_(nan=1.0)
