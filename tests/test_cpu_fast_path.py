@@ -208,3 +208,69 @@ def test_measured_crossover_is_cached_per_shape_and_bounded():
 def test_bad_packed_min_rows_is_refused():
     with pytest.raises(ValueError, match="packed_min_rows"):
         optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(4, 4)), packed_min_rows=0)
+
+
+def test_half_precision_without_onednn_kernels_runs_through_float32_copies(monkeypatch, tmp_path, caplog):
+    # Any CPU: pretend oneDNN has no bf16 kernels (AVX2-only CPUs), as kernel_dtype reports there.
+    monkeypatch.setattr(fast_path, "kernel_dtype", lambda dtype: torch.float32)
+    stock = random_target("llama", num_layers=2).to(torch.bfloat16)
+    model = copy.deepcopy(stock)
+    with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
+        optimize_for_cpu(model, packed_min_rows=1)
+    assert "float32 copies of their weights" in caplog.text
+    layer = model.model.layers[0].mlp.up_proj
+    assert isinstance(layer, PackedLinear) and layer._packed_weight().dtype == torch.float32
+    ids = torch.randint(0, 48, (2, 9))
+    with torch.no_grad():
+        expected, got = stock(ids).logits, model(ids).logits
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), expected.float(), rtol=0.05, atol=0.05), (got.float() - expected.float()).abs().max()
+    # widened, multiplied in float32, rounded back: what a bf16 matmul that sums in float32 gives
+    x = torch.randn(3, 5, layer.in_features).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = torch.nn.functional.linear(x.float(), layer.weight.float(), None).to(torch.bfloat16)
+        assert torch.allclose(layer(x).float(), reference.float(), rtol=1e-2, atol=1e-2)
+    model.save_pretrained(tmp_path)  # the ordinary bf16 weights
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, tensor in stock.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_a_prepared_model_can_be_deep_copied_and_pickled(tmp_path):
+    model = optimize_for_cpu(random_target("llama", num_layers=2), packed_min_rows=1)
+    ids = torch.randint(0, 48, (1, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+        clone = copy.deepcopy(model)  # the opaque packed copies are not copied: the clone packs its own
+        assert torch.equal(clone(ids).logits, expected) and is_optimized_for_cpu(clone)
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_crossover_probe_stops_at_the_first_losing_size_from_the_top(monkeypatch):
+    measured = []
+
+    def fake_best_seconds(calls):
+        call = calls[0]
+        rows = call.args[0].shape[1]
+        packed = call.func is fast_path._run_packed
+        if packed:
+            measured.append(rows)
+        # packed wins at 6+ rows and, out of order, at 2 rows; 3 and 4 lose
+        return (0.5 if rows >= 6 or rows == 2 else 1.0) if packed else 1.0
+
+    monkeypatch.setattr(fast_path, "_best_seconds", fake_best_seconds)
+    monkeypatch.setattr(fast_path, "_measured_min_rows", {})
+    assert fast_path.measure_packed_min_rows(torch.randn(40, 24)) == 6
+    assert measured == [16, 12, 8, 6, 4, 4]  # the loss at 4 is measured twice; 3, 2 and 1 are never timed
+
+
+def test_crossover_probe_reads_distinct_weight_copies(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: seen.append(calls) or 1.0)
+    monkeypatch.setattr(fast_path, "_measured_min_rows", {})
+    monkeypatch.setattr(fast_path, "_PROBE_BYTES", 40 * 24 * 4 * 8)  # room for 8 copies of a 40x24 fp32 weight
+    fast_path.measure_packed_min_rows(torch.randn(40, 24))
+    stock_weights = [call.args[1] for call in seen[0]]
+    assert len(stock_weights) == 8 and len({w.data_ptr() for w in stock_weights}) == 8

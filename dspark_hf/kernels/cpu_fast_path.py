@@ -28,11 +28,14 @@ after packing (``load_state_dict``, an optimiser step, ``.to()``), the layer not
 tensor's identity and version counter and packs it again.
 
 Cost: one extra copy of every packed weight (for SmolLM2-135M about 540 MB next to the model's
-540 MB) and the packing time, both logged.
+540 MB; twice the weight's own size for a float32 copy of half-precision weights) and the packing
+time, both logged.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 import types
 
@@ -55,6 +58,13 @@ _PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 # Packed must be clearly faster on the probe: near the crossover the two kernels are within the
 # probe's noise, and a layer-level win of a few percent did not survive in whole-model steps.
 _PACKED_MARGIN = 0.9
+# A decode step streams every weight from memory, so the probe times weights that are not in cache:
+# each timing batch cycles through copies totalling this many bytes, past the last-level cache of
+# the CPUs measured (32 MB on the Zen 3 EPYC). Timed on one cache-hot copy, the float32 copies of
+# bf16 weights (twice the bytes) looked faster from 2 input rows on that CPU; read from memory they
+# were slower at 2 rows, and a bf16 verify of 2 tokens came out 9% slower than stock.
+_PROBE_BYTES = 64 * 2**20
+_MAX_PROBE_COPIES = 100
 # (out_features, in_features, threads, dtype) -> fewest input rows for which the packed kernel is faster.
 _measured_min_rows: dict[tuple[int, int, int, torch.dtype], int] = {}
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -63,12 +73,31 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PROBE_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
 
 
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the packed kernel computes in for weights of ``dtype``: the dtype itself where this
+    CPU's oneDNN has kernels for it, float32 for half-precision weights where it has none."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    if dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return torch.float32
+    return dtype
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_SIZE_HINT)
+    weight = weight.detach()
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(kernel_dtype(weight.dtype)), _BATCH_SIZE_HINT)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + b`` with the packed ``W``, in ``x``'s dtype (widened and rounded back around a float32 kernel)."""
+    if packed.dtype == x.dtype:
+        return _packed_linear(x, packed, bias)
+    bias = None if bias is None else bias.to(packed.dtype)
+    return _packed_linear(x.to(packed.dtype), packed, bias).to(x.dtype)
 
 
 def fast_path_unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:
@@ -80,71 +109,74 @@ def fast_path_unavailable_reason(dtype: torch.dtype = torch.float32) -> str | No
             return f"this torch build lacks the private op torch.ops.mkldnn.{op}"
     if dtype not in _PACKABLE_DTYPES:
         return f"dtype {dtype} (packed: {', '.join(str(d) for d in _PACKABLE_DTYPES)})"
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "oneDNN has no bfloat16 kernels for this CPU (it needs avx512-bf16 or AMX)"
-    if dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return "oneDNN has no float16 kernels for this CPU (it needs avx512-fp16 or AMX-FP16)"
     try:
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(24, 16, generator=generator).to(dtype)
         bias = torch.randn(24, generator=generator).to(dtype)
         x = torch.randn(2, 3, 16, generator=generator).to(dtype)
         with torch.no_grad():
-            got = _packed_linear(x, _pack(weight), bias)
+            got = _run_packed(x, _pack(weight), bias)
         expected = F.linear(x.float(), weight.float(), bias.float())
     except Exception as error:  # a changed op signature shows up here
-        return f"the oneDNN packed-linear ops failed on a {dtype} probe ({type(error).__name__}: {error})"
+        return f"the oneDNN packed-linear ops failed on a {_probe_name(dtype)} probe ({type(error).__name__}: {error})"
     rtol, atol = _PROBE_TOLERANCE[dtype]
     if got.shape != expected.shape or got.dtype != dtype or not torch.allclose(got.float(), expected, rtol=rtol, atol=atol):
-        return f"the oneDNN packed-linear ops gave a result different from F.linear on a {dtype} probe"
+        return f"the oneDNN packed-linear ops gave a result different from F.linear on a {_probe_name(dtype)} probe"
     return None
 
 
-def _best_seconds(fn, calls: int) -> float:
+def _probe_name(dtype: torch.dtype) -> str:
+    computed_in = kernel_dtype(dtype)
+    return str(dtype) if computed_in == dtype else f"{dtype} (computed in {computed_in})"
+
+
+def _best_seconds(calls: list) -> float:
     best = float("inf")
     for _ in range(5):  # the minimum of five batches shrugs off a busy moment
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        for call in calls:
+            call()
+        best = min(best, (time.perf_counter() - start) / len(calls))
     return best
 
 
 def measure_packed_min_rows(weight: torch.Tensor) -> int:
     """Fewest input rows for which the packed kernel beats ``F.linear`` on this weight's shape.
 
-    Measured once per shape, dtype and thread count in a process (about 0.1-1 s for a model), on
-    random weights of the same shape and dtype. Above the largest probed size (16 rows) the packed
-    kernel is used.
+    Measured once per shape, dtype and thread count in a process (about 0.1-2 s per shape), on
+    random weights of the same shape and dtype, read from memory rather than from cache: a timing
+    batch cycles through copies of the weight (up to 64 MB) as a decode step streams the model.
+    Above the largest probed size (16 rows) the packed kernel is used.
     """
     key = (weight.shape[0], weight.shape[1], torch.get_num_threads(), weight.dtype)
     if key not in _measured_min_rows:
         generator = torch.Generator().manual_seed(0)
         probe = torch.randn(weight.shape, generator=generator).to(weight.dtype)
-        packed = _pack(probe)
-        # Small matrices take microseconds per call: enough calls that a batch outlasts timer noise.
-        calls = max(4, min(100, int(4e6 // probe.numel())))
+        copies = max(1, min(_MAX_PROBE_COPIES, math.ceil(_PROBE_BYTES / (probe.numel() * probe.element_size()))))
+        weights = [probe] + [probe.clone() for _ in range(copies - 1)]
+        packed = [_pack(w) for w in weights]
+        repeat = math.ceil(4 / copies)  # at least four calls per batch, so that a batch outlasts timer noise
         inputs = {rows: torch.randn(1, rows, probe.shape[1], generator=generator).to(weight.dtype)
                   for rows in _PROBE_ROWS}
 
         def packed_wins_at(rows: int) -> bool:
             x = inputs[rows]
-            _packed_linear(x, packed, None), F.linear(x, probe)  # warm both kernels
-            stock = _best_seconds(lambda: F.linear(x, probe), calls)
-            fast = _best_seconds(lambda: _packed_linear(x, packed, None), calls)
+            _run_packed(x, packed[0], None), F.linear(x, probe)  # warm both kernels
+            stock = _best_seconds([functools.partial(F.linear, x, w) for w in weights] * repeat)
+            fast = _best_seconds([functools.partial(_run_packed, x, p, None) for p in packed] * repeat)
             return fast <= _PACKED_MARGIN * stock
 
-        with torch.no_grad():
-            # A size that lost is measured once more: one busy moment at a middle size would
-            # otherwise push the crossover past it (a 192x576 bf16 layer's came out 1, 6 or 8 in
-            # repeated single-pass probes while its packed kernel was 15-35% faster at every size).
-            packed_wins = [packed_wins_at(rows) or packed_wins_at(rows) for rows in _PROBE_ROWS]
-        # The smallest size from which packed wins at every larger probed size.
+        # The crossover is the smallest size from which packed wins at every larger probed size, so
+        # sizes are measured from the largest down, to the first that loses. A size that lost is
+        # measured once more: one busy moment at a middle size would otherwise push the crossover
+        # past it (a 192x576 bf16 layer's came out 1, 6 or 8 in repeated single-pass probes while its
+        # packed kernel was 15-35% faster at every size).
         min_rows = _PROBE_ROWS[-1] + 1
-        for rows, wins in reversed(list(zip(_PROBE_ROWS, packed_wins))):
-            if not wins:
-                break
-            min_rows = rows
+        with torch.no_grad():
+            for rows in reversed(_PROBE_ROWS):
+                if not (packed_wins_at(rows) or packed_wins_at(rows)):
+                    break
+                min_rows = rows
         _measured_min_rows[key] = min_rows
     return _measured_min_rows[key]
 
@@ -155,6 +187,13 @@ class PackedLinear(nn.Linear):
     Instances are made by :func:`optimize_for_cpu` by changing the class of an existing
     ``nn.Linear`` (so parameters, hooks and ties are untouched); do not construct it directly.
     """
+
+    def __getstate__(self) -> dict:
+        # The packed copy is an opaque oneDNN tensor that cannot be copied or pickled; a copy of the
+        # layer (copy.deepcopy, torch.save of the model) packs its own weight on first use.
+        state = self.__dict__.copy()
+        state.pop(_PACKED_ATTRIBUTE, None)
+        return state
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
@@ -180,7 +219,7 @@ class PackedLinear(nn.Linear):
         )
         if not usable:
             return F.linear(input, weight, self.bias)
-        return _packed_linear(input, self._packed_weight(), self.bias)
+        return _run_packed(input, self._packed_weight(), self.bias)
 
 
 def pack_linear(module: nn.Linear, packed_min_rows: int | None = None) -> int:
@@ -288,8 +327,12 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
                 skipped.setdefault(reason, []).append(name)
                 continue
             crossovers[(*module.weight.shape, module.weight.dtype)] = pack_linear(module, packed_min_rows)
-            packed_bytes += module.weight.numel() * module.weight.element_size()
+            packed_bytes += module.weight.numel() * kernel_dtype(module.weight.dtype).itemsize
     num_packed = len(to_pack) - sum(len(names) for names in skipped.values())
+    for dtype in sorted({d for (_, _, d) in crossovers if kernel_dtype(d) != d}, key=str):
+        logger.info("optimize_for_cpu: this CPU has no oneDNN %s kernels (they need avx512-bf16/avx512-fp16 or AMX): "
+                    "%s layers run inputs from their crossover on through float32 copies of their weights.",
+                    str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
     logger.info(
         "optimize_for_cpu: packed %d linear layers (%.0f MB of extra memory) in %.2f s.",
         num_packed, packed_bytes / 2**20, time.perf_counter() - start,
@@ -307,5 +350,5 @@ def is_optimized_for_cpu(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-__all__ = ["PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "measure_packed_min_rows",
+__all__ = ["PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "kernel_dtype", "measure_packed_min_rows",
            "optimize_for_cpu", "pack_linear", "packed_like"]
