@@ -11,6 +11,10 @@ hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared 
 with the CPU grouped-query attention and ``torch.compile(..., dynamic=True)`` on each decoder
 layer's MLP and/or RMSNorms (stock weights: dynamo cannot trace the packed layers' private oneDNN
 op, so compiling on top of ``optimize_for_cpu`` fails). Its compile time is printed.
+``--compile whole`` compiles the whole forward instead, with inductor's freezing (weights become
+constants and inductor packs them for oneDNN itself): one step at a time on a cache that is only
+cropped, as here, it compiles once per step shape; inside ``generate`` it recompiled on every new
+cache stride, keyword set and 0/1 size (docs/benchmarks.md), so it stays a trial.
 """
 
 from __future__ import annotations
@@ -47,10 +51,13 @@ def _stepper(model, context, new_ids):
 
 
 def _compiled_copy(stock, parts: str):
-    """A copy of ``stock`` with the CPU GQA attention and the named parts of every decoder layer compiled."""
+    """A copy of ``stock`` with the CPU GQA attention and the named parts of every decoder layer (or its whole forward) compiled."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     model = copy.deepcopy(stock)
     use_cpu_gqa_attention(model)
+    if parts == "whole":
+        model.forward = torch.compile(model.forward, dynamic=True, options={"freezing": True})
+        return model
     names = {"mlp": ["mlp"], "norms": ["input_layernorm", "post_attention_layernorm"]}
     for layer in model.model.layers:
         for part in parts.split("+"):
@@ -66,8 +73,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="the target's dtype (optimize_for_cpu leaves half-precision models as they are)")
-    parser.add_argument("--compile", choices=["none", "mlp", "norms", "mlp+norms"], default="none",
+                        help="the target's dtype (both models are cast to it before optimize_for_cpu)")
+    parser.add_argument("--compile", choices=["none", "mlp", "norms", "mlp+norms", "whole"], default="none",
                         help="also time a copy of the stock model with these parts of each layer compiled")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     args = parser.parse_args(argv)

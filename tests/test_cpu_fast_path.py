@@ -129,14 +129,14 @@ def test_half_precision_is_packed_where_onednn_supports_it(dtype, tmp_path, capl
         assert torch.equal(reloaded.state_dict()[name], tensor), name
 
 
-def test_half_precision_without_kernels_is_left_alone_with_the_reason(monkeypatch, caplog):
+def test_a_half_precision_dtype_that_fails_its_probe_is_left_alone_with_the_reason(monkeypatch, caplog):
     real = fast_path.fast_path_unavailable_reason
     monkeypatch.setattr(fast_path, "fast_path_unavailable_reason",
-                        lambda dtype=torch.float32: real(dtype) if dtype == torch.float32 else "no bf16 kernels here")
+                        lambda dtype=torch.float32: real(dtype) if dtype == torch.float32 else "the bf16 probe failed")
     model = random_target("llama").to(torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
         optimize_for_cpu(model, packed_min_rows=1)
-    assert _count_packed(model) == 0 and "no bf16 kernels here" in caplog.text
+    assert _count_packed(model) == 0 and "the bf16 probe failed" in caplog.text
 
 
 def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
@@ -274,3 +274,26 @@ def test_crossover_probe_reads_distinct_weight_copies(monkeypatch):
     fast_path.measure_packed_min_rows(torch.randn(40, 24))
     stock_weights = [call.args[1] for call in seen[0]]
     assert len(stock_weights) == 8 and len({w.data_ptr() for w in stock_weights}) == 8
+
+
+def test_packed_copies_that_would_not_fit_in_memory_are_not_made(monkeypatch, caplog):
+    model = random_target("llama", num_layers=2)
+    needed = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(fast_path, "available_memory_bytes", lambda: needed)  # 80% of it is not enough
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.kernels.cpu_fast_path"):
+        optimize_for_cpu(model, packed_min_rows=1)
+    assert _count_packed(model) == 0 and "packed copies need" in caplog.text and "Free memory" in caplog.text
+    monkeypatch.setattr(fast_path, "available_memory_bytes", lambda: 2 * needed)
+    optimize_for_cpu(model, packed_min_rows=1)
+    assert _count_packed(model) > 0
+
+
+def test_available_memory_is_read_where_the_system_reports_it():
+    import os
+
+    available = fast_path.available_memory_bytes()
+    if not os.path.exists("/proc/meminfo"):
+        assert available is None
+        return
+    total_kb = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:")).split()[1])
+    assert available is not None and 0 < available <= total_kb * 1024

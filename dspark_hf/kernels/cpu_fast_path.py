@@ -65,6 +65,9 @@ _PACKED_MARGIN = 0.9
 # were slower at 2 rows, and a bf16 verify of 2 tokens came out 9% slower than stock.
 _PROBE_BYTES = 64 * 2**20
 _MAX_PROBE_COPIES = 100
+# The packed copies may take at most this share of the memory available when packing starts: a model
+# that nearly fills memory keeps its stock layers (logged) rather than pushing the machine into swap.
+_MEMORY_SHARE = 0.8
 # (out_features, in_features, threads, dtype) -> fewest input rows for which the packed kernel is faster.
 _measured_min_rows: dict[tuple[int, int, int, torch.dtype], int] = {}
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -265,8 +268,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
     Every ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
-    docstring for why and what it costs): float32 always, bfloat16 and float16 where oneDNN has
-    kernels for them on this CPU; the number of input rows from which the packed kernel is used is
+    docstring for why and what it costs): float32 always; bfloat16 and float16 with oneDNN's kernels
+    for them where this CPU has them, else as float32 copies (:func:`kernel_dtype`); the number of input rows from which the packed kernel is used is
     measured per weight shape and dtype, so a kernel that does not pay here is not used. A model on
     CPU whose attention has grouped key/value heads
     and runs on transformers' ``sdpa`` switches to an attention function that does not copy the KV
@@ -281,8 +284,7 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     with a reduced draft vocabulary packs its gathered rows when that head is packed).
 
     It is idempotent, and a logged no-op for layers it does not handle: other devices, other dtypes
-    or a dtype this CPU has no oneDNN kernels for,
-    weights offloaded by accelerate, ``nn.Linear`` subclasses (e.g. quantised layers). When this
+    or a dtype whose packed kernel fails its numerical probe, weights offloaded by accelerate, ``nn.Linear`` subclasses (e.g. quantised layers). When this
     torch build lacks the oneDNN ops (or they fail a numerical probe), the model is left unchanged
     and the reason is logged.
 
@@ -318,14 +320,26 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
     dtype_reasons = {dtype: fast_path_unavailable_reason(dtype)
                      for dtype in {m.weight.dtype for _, m in to_pack} - {torch.float32}}
 
+    skipped = {}
+    packable = []
+    for name, module in to_pack:
+        reason = _skip_reason(module) or dtype_reasons.get(module.weight.dtype)
+        if reason is not None:
+            skipped.setdefault(reason, []).append(name)
+        else:
+            packable.append((name, module))
+    needed = sum(m.weight.numel() * kernel_dtype(m.weight.dtype).itemsize for _, m in packable)
+    available = available_memory_bytes()
+    if available is not None and needed > _MEMORY_SHARE * available:
+        logger.warning("optimize_for_cpu: keeping the stock linear layers: their packed copies need %.0f MB and "
+                       "%.0f MB of memory is available. Free memory (or load a smaller dtype) to use the fast path.",
+                       needed / 2**20, available / 2**20)
+        return
+
     start = time.perf_counter()
-    packed_bytes, skipped, crossovers = 0, {}, {}
+    packed_bytes, crossovers = 0, {}
     with torch.no_grad():
-        for name, module in to_pack:
-            reason = _skip_reason(module) or dtype_reasons.get(module.weight.dtype)
-            if reason is not None:
-                skipped.setdefault(reason, []).append(name)
-                continue
+        for name, module in packable:
             crossovers[(*module.weight.shape, module.weight.dtype)] = pack_linear(module, packed_min_rows)
             packed_bytes += module.weight.numel() * kernel_dtype(module.weight.dtype).itemsize
     num_packed = len(to_pack) - sum(len(names) for names in skipped.values())
@@ -343,6 +357,18 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
                               for (o, i, d), r in sorted(crossovers.items(), key=str)))
     for reason, names in skipped.items():
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the system can hand out now (``MemAvailable`` in ``/proc/meminfo``), or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def is_optimized_for_cpu(model: nn.Module) -> bool:
