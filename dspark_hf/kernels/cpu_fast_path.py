@@ -62,7 +62,7 @@ _PACKED_MARGIN = 0.9
 # each timing batch cycles through copies totalling this many bytes, past the last-level cache of
 # the CPUs measured (32 MB on the Zen 3 EPYC). Timed on one cache-hot copy, the float32 copies of
 # bf16 weights (twice the bytes) looked faster from 2 input rows on that CPU; read from memory they
-# were slower at 2 rows, and a bf16 verify of 2 tokens came out 9% slower than stock.
+# were slower at 2 rows, and a bf16 verify of 2 tokens came out 8-11% slower than stock.
 _PROBE_BYTES = 64 * 2**20
 _MAX_PROBE_COPIES = 100
 # The packed copies may take at most this share of the memory available when packing starts: a model
