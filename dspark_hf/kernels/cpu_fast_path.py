@@ -269,7 +269,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
 
     Every ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
     docstring for why and what it costs): float32 always; bfloat16 and float16 with oneDNN's kernels
-    for them where this CPU has them, else as float32 copies (:func:`kernel_dtype`); the number of input rows from which the packed kernel is used is
+    for them where this CPU has them, else as float32 copies (:func:`kernel_dtype`); the number of
+    input rows from which the packed kernel is used is
     measured per weight shape and dtype, so a kernel that does not pay here is not used. A model on
     CPU whose attention has grouped key/value heads
     and runs on transformers' ``sdpa`` switches to an attention function that does not copy the KV
@@ -284,7 +285,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     with a reduced draft vocabulary packs its gathered rows when that head is packed).
 
     It is idempotent, and a logged no-op for layers it does not handle: other devices, other dtypes
-    or a dtype whose packed kernel fails its numerical probe, weights offloaded by accelerate, ``nn.Linear`` subclasses (e.g. quantised layers). When this
+    or a dtype whose packed kernel fails its numerical probe, weights offloaded by accelerate,
+    ``nn.Linear`` subclasses (e.g. quantised layers). When this
     torch build lacks the oneDNN ops (or they fail a numerical probe), the model is left unchanged
     and the reason is logged.
 
@@ -337,19 +339,17 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
         return
 
     start = time.perf_counter()
-    packed_bytes, crossovers = 0, {}
+    crossovers = {}
     with torch.no_grad():
         for name, module in packable:
             crossovers[(*module.weight.shape, module.weight.dtype)] = pack_linear(module, packed_min_rows)
-            packed_bytes += module.weight.numel() * kernel_dtype(module.weight.dtype).itemsize
-    num_packed = len(to_pack) - sum(len(names) for names in skipped.values())
     for dtype in sorted({d for (_, _, d) in crossovers if kernel_dtype(d) != d}, key=str):
         logger.info("optimize_for_cpu: this CPU has no oneDNN %s kernels (they need avx512-bf16/avx512-fp16 or AMX): "
                     "%s layers run inputs from their crossover on through float32 copies of their weights.",
                     str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
     logger.info(
         "optimize_for_cpu: packed %d linear layers (%.0f MB of extra memory) in %.2f s.",
-        num_packed, packed_bytes / 2**20, time.perf_counter() - start,
+        len(packable), needed / 2**20, time.perf_counter() - start,
     )
     if crossovers:
         logger.info("optimize_for_cpu: packed kernel from this many input rows, per weight shape: %s.",
