@@ -69,9 +69,13 @@ def test_greedy_rows_identical_and_each_row_chooses_its_own_source():
         assert rows[i] == _alone(target, prompt), f"row {i}"
     stats = draft.last_generation_stats
     for r in COPYING:
-        assert stats.source_shares(row=r).get("lookup", 0.0) > 0.3, (r, stats.source_shares(row=r))
+        assert stats.source_shares(row=r).get("lookup", 0.0) > 0.7, (r, stats.source_shares(row=r))
+    # Drafting rows draft while copying rows copy in the same rounds; once a drafting row's own
+    # 12-cycle has come round, copying it pays there too.
     for r in DRAFTING:
-        assert stats.source_shares(row=r).get("dspark", 0.0) > 0.7, (r, stats.source_shares(row=r))
+        first_rounds = [s.source for s in stats.rounds if s.row == r][:2]
+        assert first_rounds == ["dspark", "dspark"], (r, first_rounds)
+        assert stats.source_shares(row=r).get("dspark", 0.0) >= 0.3, (r, stats.source_shares(row=r))
     lookup_rounds = [s for s in stats.rounds if s.source == "lookup"]
     assert sum(s.verified for s in lookup_rounds) > 3 * len(lookup_rounds)  # whole phrases are copied
     assert stats.acceptance_by_source()["lookup"] > 0.9

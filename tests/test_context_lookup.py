@@ -28,18 +28,29 @@ def test_proposal_is_the_continuation_of_the_most_recent_longest_match():
 
 
 def test_acceptance_estimate_and_expected_value():
-    lookup = ContextLookup(prior_acceptance=0.5, prior_weight=2.0)
-    assert lookup.acceptance(2) == pytest.approx(0.5)
-    lookup.record(2, verified=4, accepted=4)  # 4 accepted, none rejected
-    lookup.record(2, verified=3, accepted=1)  # 1 accepted, then a rejection
-    assert lookup.acceptance(2) == pytest.approx((5 + 1) / (6 + 2))
-    assert lookup.acceptance(3) == pytest.approx(0.5)
+    lookup = ContextLookup(prior_acceptance=0.5, follow_prior_acceptance=0.8, prior_weight=2.0)
+    assert lookup.acceptances(2) == (pytest.approx(0.5), pytest.approx(0.8))
+    lookup.record(2, verified=4, accepted=4)  # first accepted, 3 later ones accepted
+    lookup.record(2, verified=3, accepted=1)  # first accepted, the second rejected
+    lookup.record(2, verified=5, accepted=0)  # the first rejected: says nothing about later tokens
+    lookup.record(2, verified=0, accepted=0)  # nothing verified: nothing learnt
+    first, follow = lookup.acceptances(2)
+    assert first == pytest.approx((2 + 1) / (3 + 2)) and follow == pytest.approx((3 + 1.6) / (4 + 2))
+    assert lookup.acceptances(3) == (pytest.approx(0.5), pytest.approx(0.8))
     flat = (10.0, 10.0, 10.0, 10.0)
-    assert expected_value(0.5, flat, 3) == (3, pytest.approx(10.0 * (1 + 0.5 + 0.25 + 0.125)))
+    assert expected_value(0.5, 0.5, flat, 3) == (3, pytest.approx(10.0 * (1 + 0.5 + 0.25 + 0.125)))
+    assert expected_value(0.5, 0.9, flat, 3) == (3, pytest.approx(10.0 * (1 + 0.5 * (1 + 0.9 + 0.81))))
     steep = (10.0, 4.0, 3.0, 2.0)
-    assert expected_value(0.5, steep, 3) == (0, 10.0)
+    assert expected_value(0.5, 0.5, steep, 3) == (0, 10.0)
+    # Two tokens cost 1.4 steps, six 1.7: a copy that, once started, goes on is worth verifying
+    # whole; with one rate for every position (0.5) three tokens were the best.
+    curve = (10.0, 7.0, 6.5, 6.2, 6.0, 5.8)
+    assert expected_value(0.5, 0.95, curve, 5)[0] == 5
+    assert expected_value(0.5, 0.5, curve, 5)[0] == 3
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         ContextLookup(max_tokens=0)
+    with pytest.raises(ValueError, match="follow_prior_acceptance"):
+        ContextLookup(follow_prior_acceptance=1.0)
 
 
 def test_chooser_prior_for_dspark_then_history_and_probes():
@@ -63,19 +74,24 @@ def test_chooser_prior_for_dspark_then_history_and_probes():
 
 
 def test_copy_in_progress_has_its_own_acceptance_estimate():
-    lookup = ContextLookup(prior_acceptance=0.5, continuing_prior_acceptance=0.8, prior_weight=2.0)
+    lookup = ContextLookup(prior_acceptance=0.5, continuing_prior_acceptance=0.8, follow_prior_acceptance=0.7,
+                           prior_weight=2.0)
     chooser = SourceChooser(lookup, probe_every=100)
     proposal = LookupProposal(tokens=torch.arange(6), ngram=3)
-    assert chooser.acceptance(proposal) == pytest.approx(0.5)
+    assert chooser.confidences(proposal, 3) == pytest.approx([0.5, 0.7, 0.7])
     chooser.record_lookup(proposal, 6, 2)  # a fresh match, broken after 2 tokens
-    assert not chooser.copying and chooser.acceptance(proposal) == pytest.approx((2 + 1) / (2 + 1 + 2))
+    assert not chooser.copying
+    assert chooser.confidences(proposal, 2) == pytest.approx([(1 + 1) / (1 + 2), (1 + 1.4) / (2 + 2)])
     chooser.record_lookup(proposal, 6, 6)  # a fresh match accepted whole: the next round continues it
-    assert chooser.copying and chooser.acceptance(proposal) == pytest.approx(0.8)
+    assert chooser.copying and chooser.confidences(proposal, 1) == pytest.approx([0.8])
     chooser.record_lookup(proposal, 6, 6)  # counted as a continuing round
-    assert chooser.acceptance(proposal) == pytest.approx((6 + 1.6) / (6 + 2))
-    chooser.record_lookup(proposal, 6, 2)  # the copy breaks: counted as continuing, then fresh again
-    assert not chooser.copying and chooser.acceptance(proposal) == pytest.approx((8 + 1) / (8 + 1 + 2))
-    assert lookup.acceptance(3, continuing=True) == pytest.approx((8 + 1.6) / (8 + 1 + 2))
+    assert chooser.confidences(proposal, 1) == pytest.approx([(1 + 1.6) / (1 + 2)])
+    chooser.record_lookup(proposal, 6, 0)  # the copy breaks at once: counted as continuing, then fresh again
+    assert not chooser.copying and chooser.confidences(proposal, 1) == pytest.approx([(2 + 1) / (2 + 2)])
+    assert lookup.acceptances(3, continuing=True)[0] == pytest.approx((1 + 1.6) / (2 + 2))
+    # Later tokens are counted per state too: the continuing round accepted 5 after its first.
+    assert lookup.acceptances(3, continuing=True)[1] == pytest.approx((5 + 1.4) / (5 + 2))
+    assert lookup.acceptances(3)[1] == pytest.approx((1 + 5 + 1.4) / (1 + 5 + 1 + 2))
     chooser.record_lookup(proposal, 6, 6)
     chooser.record_dspark(2, 3, 1.1, (10.0,) * 8)  # a DSpark round in between ends the copy
     assert not chooser.copying
@@ -149,7 +165,7 @@ class EagerChooser(SourceChooser):
     sources run within the few rounds of a short generation (its choices read past rounds only)."""
 
     def __init__(self, lookup):
-        lookup._prior = [(1.8, 0.2), (1.8, 0.2)]  # fresh matches and copies in progress
+        lookup._prior = [(1.8, 0.2)] * 3  # first tokens of fresh matches and of copies in progress, later tokens
         super().__init__(lookup, min_rounds=1, probe_every=3)
 
 

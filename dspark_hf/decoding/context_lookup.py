@@ -11,12 +11,18 @@ round by expected tokens per second, the scheduler's currency:
   then keeps reading from its source, while a phrase the text keeps repeating is read from its
   latest use. (On the shipped bench sets, always taking the earliest occurrence, as transformers'
   prompt lookup does, cost GSM8K and MT-Bench rounds; always the most recent cost copy-heavy and
-  HumanEval rounds.) Its acceptance is estimated online from the lookup rounds of the same call (a
-  Beta prior, counts of accepted and rejected positions), per match length and per state: a copy in progress (the
-  previous round verified a lookup proposal and accepted all of it) is far likelier to go on than
-  a fresh match, and pooling the two made the estimate too low inside long copies and too high
-  outside them. With the scheduler's step-rate table this gives the best proposal length ``l`` and
-  its value ``Theta_lookup = SPS(1 + l) * E[accepted + 1]``;
+  HumanEval rounds.) Its acceptance is estimated online from the lookup rounds of the same call
+  (Beta priors, counts of accepted and rejected positions) as two numbers: the chance that the
+  copy's *first* token is accepted, and the chance that each later one is, given the ones before
+  were. A copy either is the text's continuation, and then tends to run for many tokens, or is
+  not, and then usually fails at once. One rate for every position made a long copy look as
+  doubtful as its first token, so fresh matches were verified one token at a time (on the Zen 3
+  EPYC in bf16, where two tokens cost 1.5 plain steps, 33 of 76 lookup rounds on three
+  copy-heavy prompts verified a single token). Both numbers are kept per match length and per
+  state: a copy in progress (the previous round verified a lookup proposal and accepted all of
+  it) is far likelier to go on than a fresh match. With the scheduler's step-rate table this
+  gives the best proposal length ``l`` and its value ``Theta_lookup = SPS(1 + l) * E[accepted + 1]``,
+  where ``E[accepted] = first * (1 + follow + ... + follow^(l-1))``;
 * the DSpark block: its value is what recent DSpark rounds delivered: tokens per round over the
   round's cost, the table's step time for the tokens it verified scaled by the measured ratio of
   the whole round (draft forward and serial loop included) to its verify forward. Both values are
@@ -66,31 +72,34 @@ class ContextLookup:
         max_ngram: longest suffix n-gram searched (transformers' ``max_matching_ngram_size``).
         search_window: only the last this many tokens are searched (bounds the per-round cost).
         max_context: how far back a match is followed when ranking occurrences.
-        prior_acceptance, prior_weight: Beta prior of the per-position acceptance of a fresh match.
-        continuing_prior_acceptance: the prior's mean for a match that continues a fully accepted copy.
+        prior_acceptance, prior_weight: Beta prior of the acceptance of a fresh match's first token.
+        continuing_prior_acceptance: the prior's mean for the first token of a match that continues
+            a fully accepted copy.
+        follow_prior_acceptance: the prior's mean for each later token of a copy, given the ones
+            before it were accepted.
     """
 
     def __init__(self, max_tokens: int = 10, max_ngram: int = 3, search_window: int = 4096, max_context: int = 64,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0,
-                 continuing_prior_acceptance: float = 0.8) -> None:
+                 continuing_prior_acceptance: float = 0.8, follow_prior_acceptance: float = 0.8) -> None:
         if max_tokens < 1 or max_ngram < 1 or search_window < 2 or max_context < 1:
             raise ValueError(
                 f"Context lookup needs max_tokens >= 1, max_ngram >= 1, search_window >= 2 and max_context >= 1; got "
                 f"{max_tokens}, {max_ngram}, {search_window}, {max_context} (prompt_lookup_num_tokens, "
                 "max_matching_ngram_size)."
             )
-        if not (0.0 < prior_acceptance < 1.0 and 0.0 < continuing_prior_acceptance < 1.0) or prior_weight <= 0:
-            raise ValueError("prior_acceptance and continuing_prior_acceptance must be in (0, 1) and prior_weight > 0, "
-                             f"got {prior_acceptance}, {continuing_prior_acceptance}, {prior_weight}.")
+        means = (prior_acceptance, continuing_prior_acceptance, follow_prior_acceptance)
+        if not all(0.0 < mean < 1.0 for mean in means) or prior_weight <= 0:
+            raise ValueError("prior_acceptance, continuing_prior_acceptance and follow_prior_acceptance must be in "
+                             f"(0, 1) and prior_weight > 0, got {', '.join(map(str, means))} and {prior_weight}.")
         self.max_tokens = max_tokens
         self.max_ngram = max_ngram
         self.search_window = search_window
         self.max_context = max_context
-        self._prior = [(mean * prior_weight, (1.0 - mean) * prior_weight)  # [continuing]
-                       for mean in (prior_acceptance, continuing_prior_acceptance)]
-        # Counts per (copy in progress, match length): [continuing][ngram].
-        self._accepted = [[0] * (max_ngram + 1) for _ in range(2)]
-        self._rejected = [[0] * (max_ngram + 1) for _ in range(2)]
+        # Beta priors (accepted, rejected pseudo-counts): [first token of a fresh / continuing match, later tokens].
+        self._prior = [(mean * prior_weight, (1.0 - mean) * prior_weight) for mean in means]
+        # Counts per (copy in progress, match length): [continuing][ngram] = [first ok, first no, later ok, later no].
+        self._counts = [[[0, 0, 0, 0] for _ in range(max_ngram + 1)] for _ in range(2)]
 
     def propose(self, sequence: torch.LongTensor, limit: int) -> LookupProposal | None:
         """The proposal for a 1-D ``sequence`` (at most ``limit`` tokens), or None without a match."""
@@ -128,31 +137,39 @@ class ContextLookup:
         reach = np.cumprod(matches, axis=1).sum(axis=1)
         return int(ends[reach.size - 1 - int(np.argmax(reach[::-1]))])
 
-    def acceptance(self, ngram: int, continuing: bool = False) -> float:
-        """Estimated probability that a position is accepted given the previous ones were, for a
-        match of ``ngram`` tokens that continues a fully accepted copy (``continuing``) or not."""
-        a, b = self._prior[continuing]
-        accepted, rejected = self._accepted[continuing][ngram], self._rejected[continuing][ngram]
-        return (accepted + a) / (accepted + rejected + a + b)
+    def acceptances(self, ngram: int, continuing: bool = False) -> tuple[float, float]:
+        """Estimated ``(first, follow)`` for a match of ``ngram`` tokens that continues a fully
+        accepted copy (``continuing``) or not: the probability that the proposal's first token is
+        accepted, and that each later one is, given the ones before it were."""
+        first_ok, first_no, later_ok, later_no = self._counts[continuing][ngram]
+        (a, b), (c, d) = self._prior[continuing], self._prior[2]
+        return (first_ok + a) / (first_ok + first_no + a + b), (later_ok + c) / (later_ok + later_no + c + d)
 
     def record(self, ngram: int, verified: int, accepted: int, continuing: bool = False) -> None:
         """A lookup round verified ``verified`` tokens of a proposal and accepted ``accepted``."""
-        self._accepted[continuing][ngram] += accepted
-        self._rejected[continuing][ngram] += int(accepted < verified)
+        if verified < 1:
+            return
+        counts = self._counts[continuing][ngram]
+        counts[0 if accepted else 1] += 1
+        if accepted:
+            counts[2] += accepted - 1
+            counts[3] += int(accepted < verified)
 
 
 def _rate(sps: tuple[float, ...], num_tokens: int) -> float:
     return sps[num_tokens - 1] if num_tokens <= len(sps) else sps[-1] * len(sps) / num_tokens
 
 
-def expected_value(acceptance: float, sps: tuple[float, ...], max_length: int) -> tuple[int, float]:
-    """Best verification length ``l <= max_length`` for a constant per-position acceptance and its
-    ``Theta = SPS(1 + l) * (1 + a + a^2 + ... + a^l)`` (beyond the table, time grows linearly)."""
+def expected_value(first: float, follow: float, sps: tuple[float, ...], max_length: int) -> tuple[int, float]:
+    """Best verification length ``l <= max_length`` for a copy whose first token is accepted with
+    probability ``first`` and each later one with ``follow`` (given the ones before), and its
+    ``Theta = SPS(1 + l) * (1 + first * (1 + follow + ... + follow^(l-1)))`` (beyond the table,
+    time grows linearly)."""
     best_length, best_theta = 0, sps[0]
-    expected, survival = 1.0, 1.0
+    expected, survival = 1.0, first
     for length in range(1, max_length + 1):
-        survival *= acceptance
         expected += survival
+        survival *= follow
         theta = _rate(sps, length + 1) * expected
         if theta > best_theta:
             best_length, best_theta = length, theta
@@ -186,15 +203,18 @@ class SourceChooser:
         cost = sum(s for _, s in self._dspark) + missing / sps[0]
         return tokens / max(cost, 1e-12)
 
-    def acceptance(self, proposal: LookupProposal) -> float:
-        """The estimated per-position acceptance of ``proposal`` in this round's state."""
-        return self.lookup.acceptance(proposal.ngram, self.copying)
+    def confidences(self, proposal: LookupProposal, length: int) -> list[float]:
+        """The estimated acceptance of each of ``proposal``'s first ``length`` tokens in this round's
+        state, given the ones before it were accepted (what a policy's ``c_1..c_length`` mean)."""
+        first, follow = self.lookup.acceptances(proposal.ngram, self.copying)
+        return [first] + [follow] * (length - 1)
 
     def choose(self, proposal: LookupProposal | None, sps: tuple[float, ...]) -> int:
         """How many lookup tokens to verify this round (0: run DSpark instead)."""
         if proposal is None or self._since_dspark + 1 >= self.probe_every:
             return 0
-        length, theta = expected_value(self.acceptance(proposal), sps, proposal.tokens.numel())
+        first, follow = self.lookup.acceptances(proposal.ngram, self.copying)
+        length, theta = expected_value(first, follow, sps, proposal.tokens.numel())
         return length if length > 0 and theta > self.dspark_rate(sps) else 0
 
     def record_dspark(self, tokens: int, verified: int, round_over_verify: float, sps: tuple[float, ...]) -> None:

@@ -267,8 +267,8 @@ class RoundPlan:
         lengths: proposal tokens each row verifies (0: a plain target step); the source's
             tokens are ``lookups[i].tokens`` or the row's drafted tokens in ``sample``.
         lookups: the rows whose source is a context-lookup copy (:meth:`source`).
-        lookup_confidences: per lookup row, the copy's estimated per-token acceptance (past rounds),
-            which the batched loop's joint admission reads.
+        lookup_confidences: per lookup row, the estimated acceptance of each kept copy token given
+            the ones before it (past rounds), which the batched loop's joint admission reads.
         drafting: whether the draft ran this round.
         gate_asked: whether the drafting gate decided it (some row would have drafted); those
             rounds, drafted or not, teach the gate (at batch size 1 rows verifying lookup copies
@@ -292,7 +292,7 @@ class RoundPlan:
     budgets: list[int]
     lengths: list[int]
     lookups: dict[int, LookupProposal] = field(default_factory=dict)
-    lookup_confidences: dict[int, float] = field(default_factory=dict)
+    lookup_confidences: dict[int, list[float]] = field(default_factory=dict)
     drafting: bool = False
     gate_asked: bool = False
     speculating: bool = True
@@ -394,7 +394,7 @@ class RoundDecisions:
             proposal, keep = choose_lookup(chooser, sequence, budget, sps, self.eos_id_set)
             if keep > 0:
                 plan.lookups[i], plan.lengths[i] = proposal, keep
-                plan.lookup_confidences[i] = chooser.acceptance(proposal)
+                plan.lookup_confidences[i] = chooser.confidences(proposal, keep)
         plan.schedule_time += time.perf_counter() - start
 
     def drafting_rows(self, plan: RoundPlan) -> list[int]:
@@ -475,7 +475,7 @@ class RoundDecisions:
         # which fixes the forward's width before the draft.
         joint = [i for i in plan.lookups if self.policy.requires_confidences]
         for i in joint:
-            per_row[i] = [plan.lookup_confidences[i]] * plan.lengths[i]
+            per_row[i] = plan.lookup_confidences[i][: plan.lengths[i]]
         min_width = 1 + max((plan.lengths[i] for i in plan.lookups if i not in joint), default=0)
         admitted = (self.policy.admit_batch(per_row, min_width=min_width) if self.batch_takes_width
                     else self.policy.admit_batch(per_row))

@@ -148,12 +148,12 @@ def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCac
         # Outside inference mode even when called inside it: an inference tensor cannot be packed
         # (packing tracks the weight's version) nor reused outside inference mode later.
         with torch.inference_mode(False), torch.no_grad():
-            rows = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=weight.device,
-                             dtype=weight.dtype)
-            rows.weight.copy_(weight.index_select(0, ids.to(weight.device)))
+            # Built on the meta device: a random init of the N rows only to overwrite them took
+            # 140 ms for SmolLM2's 16,384 rows on a 2-core EPYC, in the first admitted round.
+            rows = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device="meta", dtype=weight.dtype)
+            rows.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)), requires_grad=False)
             if bias is not None:
-                rows.bias.copy_(bias.index_select(0, ids.to(bias.device)))
-            rows.requires_grad_(False)
+                rows.bias = nn.Parameter(bias.index_select(0, ids.to(bias.device)), requires_grad=False)
             return packed_like(head, rows)
 
     key = (_tensor_key(weight), _tensor_key(ids), None if bias is None else _tensor_key(bias), type(head))
