@@ -193,38 +193,6 @@ def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
         assert 0.0 < stats.drafted_fraction < 1.0
 
 
-def test_rounds_that_do_not_draft_defer_the_draft_context(monkeypatch):
-    """Skipped rounds keep their tokens' target features; the next draft forward adds them in one
-    call, and the draft's context then equals adding every token's features up front."""
-    import dspark_hf.decoding.settings as settings
-    from dspark_hf.model.configuration_dspark import hidden_state_indices
-
-    monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None, num_rows=1: AlternatingGate())
-    target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
-    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
-    draft.generation_config.prompt_lookup_num_tokens = 0
-    calls = []
-    add_context = draft.add_context
-    monkeypatch.setattr(draft, "add_context", lambda cache, features, *a: calls.append((cache, features.shape[1]))
-                        or add_context(cache, features, *a))
-    prompt = _prompts(1, seed=5)[0]
-    out = target.generate(prompt, max_new_tokens=25, do_sample=False, assistant_model=draft)
-    assert out.tolist() == target.generate(prompt, max_new_tokens=25, do_sample=False).tolist()
-    rounds = draft.last_generation_stats.rounds
-    drafted = sum(r.drafted for r in rounds)
-    assert 0 < drafted < len(rounds) and len(calls) == drafted  # one add_context per draft forward
-    assert max(n for _, n in calls[1:]) > 1  # a skipped round's token waited for the next draft
-    cache = calls[-1][0]
-    with torch.no_grad():
-        hidden = target(out[:, : cache.length], output_hidden_states=True).hidden_states
-        features = torch.cat([hidden[i] for i in hidden_state_indices(draft.config.target_layer_ids)], dim=-1)
-        reference = draft.new_cache()
-        add_context(reference, features, torch.arange(cache.length)[None])
-    for layer in range(len(cache.keys)):
-        torch.testing.assert_close(cache.keys[layer], reference.keys[layer], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cache.values[layer], reference.values[layer], rtol=1e-5, atol=1e-5)
-
-
 def test_adaptive_drafting_setting():
     from dspark_hf import DraftingGate, ThresholdPolicy
     from dspark_hf.decoding.settings import resolve_drafting_gate

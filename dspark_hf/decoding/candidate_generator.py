@@ -39,9 +39,6 @@ from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, RoundStats
 from .sampling import serial_sample
 from .settings import resolve_settings
 
-# Positions whose target features may wait for the next draft forward (see _flush_context).
-MAX_PENDING_CONTEXT = 256
-
 
 class DSparkCandidateGenerator(CandidateGenerator):
     """Candidate generator for DSpark/DFlash drafts (``requires_model_outputs``).
@@ -99,10 +96,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.draft_row = torch.zeros(1, dtype=torch.long)  # the one row that drafts (RoundPlan.draft_rows)
         self.plan: RoundPlan | None = None  # the round in flight, recorded by update_candidate_strategy
         self._prompt_has_padding = False
-        # Target features of accepted tokens not yet in the draft's cache, and how many positions
-        # have features (in the cache or kept here).
-        self._pending_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        self._context_length = 0
         self._prefill_start: float | None = None
         self._embeds_offset = 0
 
@@ -115,12 +108,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return max(self.rounds.max_draft_tokens, self.rounds.lookup_max_tokens)
 
     @torch.no_grad()
-    def _collect_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
-        """Keeps the target hidden states of tokens the target processed since the last round, for
-        the draft's context (:meth:`_flush_context` adds them before the next draft forward)."""
+    def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
+        """Adds the target hidden states of tokens the target processed since the last round."""
         cur_len = input_ids.shape[1] + self._embeds_offset  # positions the target has seen, prompt embeds included
-        start = self._context_length
-        num_new = cur_len - 1 - start
+        num_new = cur_len - 1 - self.cache.length
         if num_new <= 0:
             return
         hidden_states = getattr(model_outputs, "hidden_states", None)
@@ -133,6 +124,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if any(h is None or h.shape[1] < num_new for h in selected):
             raise RuntimeError("Target hidden states do not cover the accepted tokens; transformers' loop changed.")
         features = torch.cat([h[:, :num_new].to(self.device) for h in selected], dim=-1)
+        start = self.cache.length
         attention_mask = model_kwargs.get("attention_mask")
         if start == 0:  # padding can only sit in the prompt, so check it once
             self._prompt_has_padding = attention_mask is not None and not bool(attention_mask.all())
@@ -143,26 +135,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             key_mask = mask[:, start:].bool()
         else:
             positions = torch.arange(start, cur_len - 1, device=self.device).unsqueeze(0)
-        self._pending_context.append((features, positions, key_mask))
-        self._context_length = cur_len - 1
+        self.draft.add_context(self.cache, features, positions, key_mask)
         self._next_position = positions[:, -1:] + 1
-        if self._context_length - self.cache.length >= MAX_PENDING_CONTEXT:
-            self._flush_context()  # bounds the kept features' memory and the next draft round's catch-up
-
-    def _flush_context(self) -> None:
-        """Adds the kept context to the draft's cache in one call. Rounds that do not draft (a
-        lookup copy, a plain step the drafting gate chose) only keep their tokens' features: at
-        about 1.5 ms per call (SmolLM2 bf16, 2-core EPYC) the draft's context projection was 2-3%
-        of a plain step, paid on every round where drafting was off."""
-        if not self._pending_context:
-            return
-        features, positions, masks = zip(*self._pending_context)
-        self._pending_context.clear()
-        key_mask = None if masks[0] is None else torch.cat(masks, dim=1)
-        if len(features) == 1:
-            self.draft.add_context(self.cache, features[0], positions[0], key_mask)
-        else:
-            self.draft.add_context(self.cache, torch.cat(features, dim=1), torch.cat(positions, dim=1), key_mask)
 
     @torch.no_grad()
     def get_candidates(
@@ -187,7 +161,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._prefill_start is not None:
             self.stats.prefill_time = plan.round_start - self._prefill_start
             self._prefill_start = None
-        self._collect_context(input_ids, model_kwargs or {}, model_outputs)
+        self._ingest_context(input_ids, model_kwargs or {}, model_outputs)
         if self.chooser is not None:
             self.rounds.choose_sources(plan, [self.chooser], [input_ids[0]])
         if plan.lookups:  # the draft forward is skipped; a lookup copy goes with no logits (a deterministic draft)
@@ -204,7 +178,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """Draft forward and serial sampling (interleaved with an incremental policy); the verified
         length is decided by :meth:`RoundDecisions.admit`."""
         t0 = time.perf_counter()
-        self._flush_context()
         anchor = input_ids[:, -1]
         self.block_ids[:, 0] = anchor.to(self.device)
         # With incremental admission the LM head runs only once a position is admitted.
