@@ -7,35 +7,32 @@ A decode step of a small model at one token reads every weight once from memory,
 layers can at best run at the memory bandwidth. For each of SmolLM2-135M's weight shapes this times,
 with weights read from memory as a step reads them (each timing batch cycles through copies of the
 weight totalling ``--megabytes``, past the last-level cache): a plain reduction over the weight
-(``w.sum()``, a bandwidth reference), ``F.linear`` (MKL) and the packed oneDNN kernel that
-``optimize_for_cpu`` uses. Prints microseconds and GB/s per call.
+(``w.sum()``, a bandwidth reference), ``F.linear`` (MKL) and the packed oneDNN kernel exactly as
+``optimize_for_cpu`` runs it (its own packing and call; for bf16 on a CPU without oneDNN bf16
+kernels, the float32 copy). Each time is the fastest of five batches, as the fast path's crossover
+probe takes it. Prints microseconds and GB/s per call (GB/s of the weight's own bytes).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from dspark_hf.benchmarks.environment import capture_environment, describe_environment
+from dspark_hf.kernels.cpu_fast_path import _best_seconds, _pack, _run_packed
 
 # (out_features, in_features): attention q/o, k/v, MLP gate/up, MLP down, LM head.
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))
 
 
-def cold_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, repeats: int) -> float:
-    """Fastest mean time per call over ``repeats`` passes through ``weights``."""
+def cold_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Seconds per call of ``fn(weight, x)``, cycling through ``weights`` (read from memory)."""
     for weight in weights[:2]:
         fn(weight, x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for weight in weights:
-            fn(weight, x)
-        best = min(best, (time.perf_counter() - start) / len(weights))
-    return best
+    return _best_seconds([functools.partial(fn, weight, x) for weight in weights])
 
 
 def main() -> None:
@@ -43,7 +40,6 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--megabytes", type=int, default=256, help="weight copies cycled per timing batch")
-    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(describe_environment(capture_environment()), f"{args.dtype}, {torch.get_num_threads()} threads.")
@@ -53,17 +49,13 @@ def main() -> None:
         nbytes = out_features * in_features * torch.finfo(dtype).bits // 8
         copies = max(2, min(100, (args.megabytes << 20) // nbytes))
         weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
-        # Without oneDNN bf16 kernels (AVX2-only CPUs) there is no packed bf16 kernel to time.
-        has_packed = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights] if has_packed else []
+        packed = [_pack(w) for w in weights]
         for rows in args.rows:
             x = torch.randn(rows, in_features).to(dtype)
-            timings = [cold_seconds(lambda w, x: w.sum(), weights, x, args.repeats),
-                       cold_seconds(lambda w, x: F.linear(x, w), weights, x, args.repeats)]
-            if packed:
-                timings.append(cold_seconds(lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-                                            packed, x, args.repeats))
-            cells = " | ".join([f"{t * 1e6:.0f} ({nbytes / t / 1e9:.1f})" for t in timings] + ["-"] * (3 - len(timings)))
+            timings = (cold_seconds(lambda w, x: w.sum(), weights, x),
+                       cold_seconds(lambda w, x: F.linear(x, w), weights, x),
+                       cold_seconds(lambda p, x: _run_packed(x, p, None), packed, x))
+            cells = " | ".join(f"{t * 1e6:.0f} ({nbytes / t / 1e9:.1f})" for t in timings)
             print(f"| {out_features}x{in_features} | {rows} | {cells} |", flush=True)
 
 

@@ -270,15 +270,14 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     Every ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
     docstring for why and what it costs): float32 always; bfloat16 and float16 with oneDNN's kernels
     for them where this CPU has them, else as float32 copies (:func:`kernel_dtype`); the number of
-    input rows from which the packed kernel is used is
-    measured per weight shape and dtype, so a kernel that does not pay here is not used. A model on
-    CPU whose attention has grouped key/value heads
-    and runs on transformers' ``sdpa`` switches to an attention function that does not copy the KV
-    cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`; ``model.set_attn_implementation("sdpa")``
-    undoes it). Outputs equal the stock model's within rounding
-    (a different summation order; in bfloat16 that can flip a near-tie between two tokens); float32
-    greedy generation is unchanged in practice, and DSpark's
-    losslessness does not depend on it (draft and target are verified, not trusted).
+    input rows from which the packed kernel is used is measured per weight shape and dtype, so a
+    kernel that does not pay here is not used. A model on CPU whose attention has grouped key/value
+    heads and runs on transformers' ``sdpa`` switches to an attention function that does not copy
+    the KV cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`;
+    ``model.set_attn_implementation("sdpa")`` undoes it). Outputs equal the stock model's within
+    rounding (a different summation order; in bfloat16 that can flip a near-tie between two
+    tokens); float32 greedy generation is unchanged in practice, and DSpark's losslessness does not
+    depend on it (draft and target are verified, not trusted).
 
     Use it on CPU for the target and for the draft (whose vocabulary projection is its largest
     matrix; a draft that borrows the target's LM head shares the target's packed one, and a draft
@@ -286,9 +285,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
 
     It is idempotent, and a logged no-op for layers it does not handle: other devices, other dtypes
     or a dtype whose packed kernel fails its numerical probe, weights offloaded by accelerate,
-    ``nn.Linear`` subclasses (e.g. quantised layers). When this
-    torch build lacks the oneDNN ops (or they fail a numerical probe), the model is left unchanged
-    and the reason is logged.
+    ``nn.Linear`` subclasses (e.g. quantised layers). When this torch build lacks the oneDNN ops (or
+    they fail a numerical probe), the model is left unchanged and the reason is logged.
 
     Args:
         model: the model to prepare.
