@@ -3,6 +3,7 @@
     python benchmarks/verify_cost.py                  # SmolLM2-135M-Instruct, 256-token context
     python benchmarks/verify_cost.py --context 1024 --sizes 1 2 4 8 16 --repeats 9
     python benchmarks/verify_cost.py --compile mlp+norms --sizes 1 2 4 8 16   # a third model: compiled parts
+    python benchmarks/verify_cost.py --compare-lean --sizes 1 2 4 8 16       # prepared without its lean forward
 
 Both models run in one process, interleaved size by size and round by round (the machine's drift
 hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared are printed.
@@ -32,6 +33,7 @@ from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
 from dspark_hf.kernels.cpu_attention import use_cpu_gqa_attention
+from dspark_hf.kernels.cpu_decoder import remove_lean_decoder
 
 
 def _stepper(model, context, new_ids):
@@ -76,6 +78,9 @@ def main(argv=None) -> dict:
                         help="the target's dtype (both models are cast to it before optimize_for_cpu)")
     parser.add_argument("--compile", choices=["none", "mlp", "norms", "mlp+norms", "whole"], default="none",
                         help="also time a copy of the stock model with these parts of each layer compiled")
+    parser.add_argument("--compare-lean", action="store_true",
+                        help="also time the prepared model without its lean decoder forward (packed weights and "
+                             "attention only), to show what the lean forward adds")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -89,6 +94,10 @@ def main(argv=None) -> dict:
     context = torch.randint(0, stock.config.vocab_size, (1, args.context), generator=generator)
     new_ids = torch.randint(0, stock.config.vocab_size, (1, max(args.sizes)), generator=generator)
     steppers = {"stock": _stepper(stock, context, new_ids), "prepared": _stepper(prepared, context, new_ids)}
+    if args.compare_lean:
+        packed_only = optimize_for_cpu(copy.deepcopy(stock))
+        remove_lean_decoder(packed_only)
+        steppers["packed only"] = _stepper(packed_only, context, new_ids)
     compile_seconds = None
     if args.compile != "none":
         start = time.perf_counter()
@@ -113,11 +122,13 @@ def main(argv=None) -> dict:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
-    if "compiled" in medians:
-        print("B    compiled ms  compiled T(B)/T(1)  stock/compiled")
-        for b in args.sizes:
-            c = medians["compiled"][b]
-            print(f"{b:<4} {1e3 * c:11.1f}  {c / medians['compiled'][args.sizes[0]]:18.2f}  {medians['stock'][b] / c:14.2f}")
+    for name in ("packed only", "compiled"):
+        if name in medians:
+            print(f"B    {name} ms  {name} T(B)/T(1)  stock/{name}  {name}/prepared")
+            for b in args.sizes:
+                c = medians[name][b]
+                print(f"{b:<4} {1e3 * c:{len(name) + 3}.1f}  {c / medians[name][args.sizes[0]]:{len(name) + 9}.2f}  "
+                      f"{medians['stock'][b] / c:{len(name) + 6}.2f}  {c / medians['prepared'][b]:{len(name) + 9}.2f}")
     result = {"environment": env, "dtype": args.dtype, "context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
               "compile": args.compile, "compile_seconds": compile_seconds, "median_seconds": medians}
     write_json_result(result, args.out)

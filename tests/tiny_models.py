@@ -1,6 +1,6 @@
 """Tiny local models for the tests (no downloads).
 
-* :func:`random_target` - a small random Llama or Qwen3 causal LM.
+* :func:`random_target` - a small random Llama, Qwen2, Qwen3 or Mistral causal LM.
 * :func:`bigram_target` - a target whose next-token logits are a designed table ``T[current token]``
   (attention and MLP outputs zeroed, one-hot embeddings), so its exact distribution is known.
 * :func:`tiny_tokenizer` - a word-level tokenizer with a chat template, built offline.
@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from dspark_hf import DSparkDraftModel
 
@@ -33,6 +34,11 @@ def random_target(arch: str = "llama", vocab_size: int = 48, hidden_size: int = 
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden_size // 4, tie_word_embeddings=False))
+    elif arch == "qwen2":  # biases on the q/k/v projections
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    elif arch in ("mistral", "mistral-sliding"):
+        window = 6 if arch == "mistral-sliding" else None
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=window, tie_word_embeddings=False))
     else:
         raise ValueError(arch)
     with torch.no_grad():

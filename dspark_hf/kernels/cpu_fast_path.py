@@ -45,6 +45,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .cpu_attention import use_cpu_gqa_attention
+from .cpu_decoder import use_lean_decoder
 
 logger = logging.get_logger(__name__)
 
@@ -274,7 +275,10 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     kernel that does not pay here is not used. A model on CPU whose attention has grouped key/value
     heads and runs on transformers' ``sdpa`` switches to an attention function that does not copy
     the KV cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`;
-    ``model.set_attn_implementation("sdpa")`` undoes it). Outputs equal the stock model's within
+    ``model.set_attn_implementation("sdpa")`` undoes it). A Llama-style decoder on CPU (Llama,
+    Mistral, Qwen2, Qwen3; full attention) then runs a lean forward: the same layers and arithmetic,
+    bit for bit (probed), without the per-module call overhead (:mod:`dspark_hf.kernels.cpu_decoder`;
+    ``remove_lean_decoder`` undoes it). Outputs equal the stock model's within
     rounding (a different summation order; in bfloat16 that can flip a near-tie between two
     tokens); float32 greedy generation is unchanged in practice, and DSpark's losslessness does not
     depend on it (draft and target are verified, not trusted).
@@ -304,6 +308,7 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     first_parameter = next(model.parameters(), None)
     if first_parameter is not None and first_parameter.device.type == "cpu":
         use_cpu_gqa_attention(model)
+        use_lean_decoder(model)
     return model
 
 
