@@ -28,6 +28,7 @@ from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
 from .cost_model import monotone_step_times
+from ..kernels.cpu_decoder import uses_lean_decoder
 from ..kernels.cpu_fast_path import is_optimized_for_cpu
 
 logger = logging.get_logger(__name__)
@@ -80,8 +81,10 @@ def _environment(model: torch.nn.Module) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "num_threads": None,
-        # Packed oneDNN linears change the curve's shape, so they get their own profile.
+        # Packed oneDNN linears change the curve's shape and the lean forward its level, so each gets
+        # its own profile.
         "cpu_fast_path": is_optimized_for_cpu(model),
+        "lean_decoder": uses_lean_decoder(model),
     }
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
