@@ -187,3 +187,26 @@ def test_removal_copies_and_pickles(tmp_path):
     lean.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", "generation_config.json",
                                                                 "model.safetensors"])
+
+
+def test_batched_dspark_through_the_lean_target_equals_each_prompt_alone(lean_layer_calls):
+    from dspark_hf import FixedLengthPolicy
+    from tiny_models import markov_draft, target_next_token_table
+
+    stock = random_target("llama", eos_token_id=5, context_scale=0.5)
+    lean = copy.deepcopy(stock)
+    assert use_lean_decoder(lean)
+    draft = markov_draft(lean, target_next_token_table(lean), block_size=4,
+                         confidence_logits=torch.linspace(-2, 4, 48))
+    draft.generation_config.dspark_verify_policy = FixedLengthPolicy(4)
+    prompts = [[7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]
+    ids, mask = left_pad(prompts, 0)
+    lean_layer_calls.clear()
+    out = lean.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                        assistant_model=draft)
+    assert lean_layer_calls  # the batched verify forwards (padded rows, hidden states) ran the lean loop
+    for i, prompt in enumerate(prompts):
+        alone = stock.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+        alone = alone[0, len(prompt):].tolist()
+        row = out[i, ids.shape[1]:].tolist()
+        assert row[: len(alone)] == alone and all(t == 0 for t in row[len(alone):]), f"row {i}"
