@@ -161,6 +161,8 @@ def test_a_probe_difference_refuses_the_lean_forward(monkeypatch, caplog):
         assert not use_lean_decoder(model)
     assert "a probe gave outputs different from its own forward" in caplog.text
     assert "forward" not in model.model.__dict__ and not uses_lean_decoder(model)
+    model.train()  # probed in eval mode all the same (in training mode both forwards would be the stock one)
+    assert not use_lean_decoder(model) and model.training
 
 
 def test_a_shortcut_that_differs_falls_back_to_the_models_own_functions(monkeypatch):

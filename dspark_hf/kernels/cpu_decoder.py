@@ -304,21 +304,30 @@ def _probe_difference(base: nn.Module) -> str | None:
     ids = torch.randint(0, base.config.vocab_size, (1, 12), generator=generator, device="cpu")
     ids = ids.to(base.embed_tokens.weight.device)
     results = []
-    for forward in (type(base).forward.__get__(base), base.forward):
-        cache = DynamicCache(config=base.config)
-        outputs = []
-        with torch.no_grad():
-            for start, end in ((0, 8), (8, 9), (9, 12)):
-                # No output_hidden_states: asking for them makes transformers hook every layer for good
-                # (closures that a pickled model cannot hold); tests check the hidden states.
-                out = forward(input_ids=ids[:, start:end], cache=cache, use_cache=True)
-                outputs += [out.last_hidden_state, *cache.layers[-1].keys.unbind(-2)[-1:]]
-        results.append(outputs)
+    was_training = base.training
+    base.eval()  # in training mode both would be the stock forward (and dropout would differ)
+    try:
+        for forward in (type(base).forward.__get__(base), base.forward):
+            results.append(_probe_outputs(forward, base, ids))
+    finally:
+        base.train(was_training)
     for stock, lean in zip(*results):
         if stock.shape != lean.shape or not torch.equal(stock, lean):
             difference = (stock.float() - lean.float()).abs().max().item() if stock.shape == lean.shape else "shape"
             return f"a probe gave outputs different from its own forward (max difference {difference})"
     return None
+
+
+def _probe_outputs(forward, base: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    cache = DynamicCache(config=base.config)
+    outputs = []
+    with torch.no_grad():
+        for start, end in ((0, 8), (8, 9), (9, 12)):
+            # No output_hidden_states: asking for them makes transformers hook every layer for good
+            # (closures that a pickled model cannot hold); tests check the hidden states.
+            out = forward(input_ids=ids[:, start:end], cache=cache, use_cache=True)
+            outputs += [out.last_hidden_state, *cache.layers[-1].keys.unbind(-2)[-1:]]
+    return outputs
 
 
 __all__ = ["lean_decoder_unsupported_reason", "remove_lean_decoder", "use_lean_decoder", "uses_lean_decoder"]
