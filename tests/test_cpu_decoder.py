@@ -53,12 +53,18 @@ def _assert_same_outputs(expected, got):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lean_forward_equals_the_stock_forward_bit_for_bit(arch, dtype, lean_layer_calls):
-    stock = random_target(arch, num_layers=3).to(dtype)
+    stock = random_target(arch, num_layers=3)
+    with torch.no_grad():  # norm weights other than 1, as in a trained model (with 1 more shortcuts agree)
+        for module in stock.modules():
+            if "RMSNorm" in type(module).__name__:
+                module.weight.normal_(1.0, 0.5, generator=torch.Generator().manual_seed(len(module.weight)))
+    stock = stock.to(dtype)
     lean = copy.deepcopy(stock)
     assert use_lean_decoder(lean)
     assert uses_lean_decoder(lean) and not uses_lean_decoder(stock)
     plan = lean.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
-    assert plan.fused_norm and plan.roll_rotary  # the shortcuts are what is being compared
+    assert plan.roll_rotary  # the shortcuts are part of what is compared
+    assert plan.fused_norm == (dtype == torch.float32)  # torch's bf16 rms_norm rounds after the weight
     ids = torch.randint(1, 48, (2, 14), generator=torch.Generator().manual_seed(1))
     for kwargs in ({}, {"output_hidden_states": True}, {"output_hidden_states": [0, 2, -1]},
                    {"output_hidden_states": [1]}):
@@ -166,12 +172,28 @@ def test_a_probe_difference_refuses_the_lean_forward(monkeypatch, caplog):
 
 
 def test_a_shortcut_that_differs_falls_back_to_the_models_own_functions(monkeypatch):
-    model = random_target("llama", num_layers=2)
-    monkeypatch.setattr(cpu_decoder.F, "rms_norm", lambda x, shape, weight, eps: torch.nn.functional.layer_norm(
-        x, shape, weight, eps=eps))
+    stock = random_target("llama", num_layers=2)
+    model = copy.deepcopy(stock)
+    with monkeypatch.context() as patch:  # a norm that is not the model's: caught by the per-norm check
+        patch.setattr(cpu_decoder.F, "rms_norm", lambda x, shape, weight, eps: torch.nn.functional.layer_norm(
+            x, shape, weight, eps=eps))
+        assert use_lean_decoder(model)
+        plan = model.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
+        assert not plan.fused_norm and plan.roll_rotary
+    remove_lean_decoder(model)
+    original = cpu_decoder._rotate
+
+    def skewed(plan, query, key, cos, sin, signed_sin):  # a rolled rotation that is off: caught by the probe
+        query, key = original(plan, query, key, cos, sin, signed_sin)
+        return (query * (1 + 1e-3), key) if signed_sin is not None else (query, key)
+
+    monkeypatch.setattr(cpu_decoder, "_rotate", skewed)
     assert use_lean_decoder(model)
     plan = model.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
     assert not plan.fused_norm and not plan.roll_rotary
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, stock(ids).logits)
 
 
 def test_removal_copies_and_pickles(tmp_path):

@@ -11,8 +11,9 @@ attention) a forward that runs the same computation in one plain loop: each laye
 projections, cache update and attention function, in the order of transformers' code, but each
 leaf module's ``forward`` called directly instead of through ``__call__``, and the causal mask and
 rotary tables made once per step, as the stock forward does. Two shortcuts give the same numbers in
-fewer ops: torch's ``rms_norm`` for transformers' RMSNorm (the same sequence of ops in one call) and
-a rolled rotation for ``rotate_half`` (``(-a) * b == a * (-b)`` exactly). A probe runs a prefill and
+fewer ops: torch's ``rms_norm`` for transformers' RMSNorm where it is the same sequence of ops in one
+call (float32; each norm is checked on random inputs) and a rolled rotation for ``rotate_half``
+(``(-a) * b == a * (-b)`` exactly). A probe runs a prefill and
 two cached steps both ways and requires equal outputs bit for bit: if the shortcuts differ the
 model's own norm and rotary functions are used; if the loop still differs it is not installed
 (logged).
@@ -147,7 +148,7 @@ def _selected_hidden_states(base: nn.Module, output_hidden_states) -> set[int] |
 def _norm(plan: _LeanPlan, norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     if plan.fused_norm:
         # torch's rms_norm runs the same ops as transformers' RMSNorm (upcast, pow, mean, add eps, rsqrt,
-        # mul, cast back, times the weight) inside one call; use_lean_decoder checked that they agree.
+        # mul, cast back, times the weight) inside one call; used only where _fused_norm_matches.
         return F.rms_norm(hidden_states, norm.weight.shape, norm.weight, norm.variance_epsilon)
     return norm.forward(hidden_states)
 
@@ -266,7 +267,7 @@ def use_lean_decoder(model: nn.Module) -> bool:
     reason = lean_decoder_unsupported_reason(model)
     if reason is None:
         plan = _LeanPlan(base)
-        plan.fused_norm = all(type(m).__name__ in _RMS_NORM_CLASSES for m in base.modules() if "Norm" in type(m).__name__)
+        plan.fused_norm = _fused_norm_matches(base)
         base.__dict__[_INSTALLED_ATTRIBUTE] = plan
         base.forward = _LeanForward(base)
         reason = _probe_difference(base)
@@ -296,6 +297,23 @@ def remove_lean_decoder(model: nn.Module) -> None:
 def uses_lean_decoder(model: nn.Module) -> bool:
     """Whether ``model``'s decoder runs the lean forward."""
     return _INSTALLED_ATTRIBUTE in getattr(model, "model", model).__dict__
+
+
+def _fused_norm_matches(base: nn.Module) -> bool:
+    """Whether torch's ``rms_norm`` gives every norm of ``base`` its own outputs bit for bit. In float32
+    it does; in bfloat16 torch 2.13 multiplies by the weight before rounding, transformers after, so a
+    weight other than 1 gives another result there."""
+    norms = [m for m in base.modules() if "Norm" in type(m).__name__]
+    if not norms or any(type(m).__name__ not in _RMS_NORM_CLASSES for m in norms):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for norm in norms:
+            weight = norm.weight
+            x = (torch.randn(4, weight.shape[-1], generator=generator) * 3).to(weight.device, weight.dtype)
+            if not torch.equal(F.rms_norm(x, weight.shape, weight, norm.variance_epsilon), norm.forward(x)):
+                return False
+    return True
 
 
 def _probe_difference(base: nn.Module) -> str | None:
