@@ -44,7 +44,8 @@ logger = logging.get_logger(__name__)
 _DECODER_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 # MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)); others run their own forward.
 _GATED_MLP_CLASSES = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
-# RMSNorms computing weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype), as torch's rms_norm does.
+# RMSNorms computing weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype); torch's rms_norm
+# stands in for them where _fused_norm_matches (float32: the same ops; bfloat16 rounds elsewhere).
 _RMS_NORM_CLASSES = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 _KNOWN_KEYWORDS = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "inputs_embeds",
                    "use_cache", "output_hidden_states", "output_attentions", "return_dict"}

@@ -203,6 +203,8 @@ class PackedLinear(nn.Linear):
         weight = self.weight
         entry = self.__dict__.get(_PACKED_ATTRIBUTE)
         if entry is None or not _entry_matches(entry, weight):
+            # Holds the weight itself, so identity is checked by `is` (an id can be reused once a tensor
+            # is freed); a replaced weight is released when the layer next repacks.
             entry = (weight, weight._version, weight.data_ptr(), weight.dtype, _pack(weight))
             object.__setattr__(self, _PACKED_ATTRIBUTE, entry)  # not a parameter or buffer
         return entry[4]
