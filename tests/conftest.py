@@ -1,8 +1,12 @@
 """Shared fixtures: an isolated dspark_hf cache, fixed thread count, no network."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Compiled kernels (the CPU row-block kernel, built on first use, ~30 s) go to the checkout's pytest
+# cache, not the user's ~/.cache, and are reused by later runs; set at import so collection sees it too.
+os.environ.setdefault("DSPARK_HF_EXTENSION_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "dspark_hf_extensions"))
 
 import pytest
 import torch

@@ -14,6 +14,8 @@ from tiny_models import markov_draft, random_target, reload_half_on_disk, target
 
 pytestmark = pytest.mark.skipif(fast_path.fast_path_unavailable_reason() is not None,
                                 reason=f"oneDNN packed linears unavailable: {fast_path.fast_path_unavailable_reason()}")
+# Both packed kernels where the row-block kernel runs on this CPU (x86 with AVX2, a compiler and ninja).
+KERNELS = ["onednn"] + (["row_block"] if fast_path.row_block_usable(torch.float32) else [])
 
 
 def _prompts(n, seed=0, vocab=48):
@@ -26,10 +28,12 @@ def _count_packed(model):
     return sum(isinstance(m, PackedLinear) for m in model.modules())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_logits_and_greedy_generation_equal_the_stock_model(arch):
+def test_logits_and_greedy_generation_equal_the_stock_model(arch, kernel):
     stock = random_target(arch, num_layers=3)
-    fast = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
+    fast = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1, packed_kernel=kernel)
+    assert {m._dspark_packed_kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {kernel}
     assert _count_packed(fast) == sum(isinstance(m, torch.nn.Linear) for m in stock.modules()) > 0
     ids = torch.randint(0, 48, (2, 23))
     with torch.no_grad():
@@ -40,12 +44,13 @@ def test_logits_and_greedy_generation_equal_the_stock_model(arch):
                 == stock.generate(prompt, max_new_tokens=24, do_sample=False).tolist())
 
 
-def test_dspark_with_prepared_target_and_draft_is_identical_to_the_stock_target():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dspark_with_prepared_target_and_draft_is_identical_to_the_stock_target(kernel):
     stock = random_target("llama")
-    target = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1)
+    target = optimize_for_cpu(copy.deepcopy(stock), packed_min_rows=1, packed_kernel=kernel)
     draft = markov_draft(target, target_next_token_table(target), block_size=4)
     draft.generation_config.dspark_verify_policy = FixedLengthPolicy(4)
-    optimize_for_cpu(draft, packed_min_rows=1)
+    optimize_for_cpu(draft, packed_min_rows=1, packed_kernel=kernel)
     assert is_optimized_for_cpu(draft)
     for prompt in _prompts(4, seed=2):
         expected = stock.generate(prompt, max_new_tokens=30, do_sample=False)
@@ -81,8 +86,9 @@ def test_tied_embeddings_and_save_pretrained_write_ordinary_weights(tmp_path):
             == stock.generate(prompt, max_new_tokens=16, do_sample=False).tolist())
 
 
-def test_weights_changed_after_packing_are_repacked():
-    model = optimize_for_cpu(random_target("llama"), packed_min_rows=1)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weights_changed_after_packing_are_repacked(kernel):
+    model = optimize_for_cpu(random_target("llama"), packed_min_rows=1, packed_kernel=kernel)
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, layer.in_features)
     with torch.no_grad():
@@ -108,17 +114,21 @@ def test_unhandled_dtypes_are_left_alone_and_logged(caplog):
     assert "dtype torch.float64" in caplog.text
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_is_packed_where_onednn_supports_it(dtype, tmp_path, caplog):
+def test_half_precision_is_packed_where_onednn_supports_it(dtype, kernel, tmp_path, caplog):
     stock = random_target("llama", num_layers=2).to(dtype)
     model = copy.deepcopy(stock)
     with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
-        optimize_for_cpu(model, packed_min_rows=1)
+        optimize_for_cpu(model, packed_min_rows=1, packed_kernel=kernel)
     reason = fast_path.fast_path_unavailable_reason(dtype)
     if reason is not None:  # this CPU (or build) has no oneDNN kernels for the dtype: left alone, said why
         assert _count_packed(model) == 0 and reason in caplog.text
         return
     assert _count_packed(model) == sum(isinstance(m, torch.nn.Linear) for m in stock.modules())
+    # the row-block kernel keeps the weights' own dtype; oneDNN widens them where it has no kernel for the dtype
+    kept = dtype if kernel == "row_block" else fast_path.kernel_dtype(dtype)
+    assert model.model.layers[0].mlp.up_proj._packed_weight().dtype == kept
     ids = torch.randint(0, 48, (2, 9))
     with torch.no_grad():
         expected, got = stock(ids).logits.float(), model(ids).logits.float()
@@ -156,10 +166,11 @@ def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
 def test_device_map_with_offloaded_layers(tmp_path, monkeypatch):
     stock = random_target("llama", num_layers=4)
     offloaded = reload_half_on_disk(stock, tmp_path)
-    optimize_for_cpu(offloaded, packed_min_rows=1)
     calls = []
-    packed_linear = fast_path._packed_linear
-    monkeypatch.setattr(fast_path, "_packed_linear", lambda *args: calls.append(1) or packed_linear(*args))
+    packed_forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: calls.append(1) or packed_forward(self, x))
+    optimize_for_cpu(offloaded, packed_min_rows=1)
+    calls.clear()
     assert isinstance(offloaded.model.layers[0].mlp.up_proj, PackedLinear)  # on the CPU: packed
     assert not isinstance(offloaded.model.layers[3].mlp.up_proj, PackedLinear)  # on disk: left alone
     draft = markov_draft(stock, target_next_token_table(stock), block_size=4)
@@ -183,7 +194,7 @@ def test_rows_below_the_crossover_keep_the_stock_kernel(monkeypatch):
     calls = []
     real = fast_path._packed_linear
     monkeypatch.setattr(fast_path, "_packed_linear", lambda *args: calls.append(args[0].shape) or real(*args))
-    layer = optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(16, 8)), packed_min_rows=4)[0]
+    layer = optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(16, 8)), packed_min_rows=4, packed_kernel="onednn")[0]
     calls.clear()  # the feature probe's call
     with torch.no_grad():
         for rows in (1, 3):
@@ -193,16 +204,18 @@ def test_rows_below_the_crossover_keep_the_stock_kernel(monkeypatch):
         assert calls == [(2, 2, 16)]
 
 
-def test_measured_crossover_is_cached_per_shape_and_bounded():
-    from dspark_hf.kernels.cpu_fast_path import _measured_min_rows, measure_packed_min_rows
+def test_measured_kernel_and_crossover_are_cached_per_shape_and_bounded():
+    from dspark_hf.kernels.cpu_fast_path import _measured_choices, measure_packed_kernel
 
     weight = torch.randn(40, 24)
-    rows = measure_packed_min_rows(weight)
-    assert 1 <= rows <= 17
-    assert _measured_min_rows[(40, 24, torch.get_num_threads(), torch.float32)] == rows
-    _measured_min_rows[(40, 24, torch.get_num_threads(), torch.float32)] = 5
+    kernel, rows = measure_packed_kernel(weight)
+    assert kernel in KERNELS and 1 <= rows <= 17
+    key = (40, 24, torch.get_num_threads(), torch.float32, tuple(KERNELS))
+    assert _measured_choices[key] == (kernel, rows)
+    _measured_choices[key] = ("onednn", 5)
     model = optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(24, 40)))
-    assert model[0]._dspark_packed_min_rows == 5  # read from the cache, not measured again
+    # read from the cache, not measured again
+    assert (model[0]._dspark_packed_kernel, model[0]._dspark_packed_min_rows) == ("onednn", 5)
 
 
 def test_bad_packed_min_rows_is_refused():
@@ -216,7 +229,7 @@ def test_half_precision_without_onednn_kernels_runs_through_float32_copies(monke
     stock = random_target("llama", num_layers=2).to(torch.bfloat16)
     model = copy.deepcopy(stock)
     with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
-        optimize_for_cpu(model, packed_min_rows=1)
+        optimize_for_cpu(model, packed_min_rows=1, packed_kernel="onednn")
     assert "float32 copies of their weights" in caplog.text
     layer = model.model.layers[0].mlp.up_proj
     assert isinstance(layer, PackedLinear) and layer._packed_weight().dtype == torch.float32
@@ -236,8 +249,9 @@ def test_half_precision_without_onednn_kernels_runs_through_float32_copies(monke
         assert torch.equal(reloaded.state_dict()[name], tensor), name
 
 
-def test_a_prepared_model_can_be_deep_copied_and_pickled(tmp_path):
-    model = optimize_for_cpu(random_target("llama", num_layers=2), packed_min_rows=1)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_prepared_model_can_be_deep_copied_and_pickled(tmp_path, kernel):
+    model = optimize_for_cpu(random_target("llama", num_layers=2), packed_min_rows=1, packed_kernel=kernel)
     ids = torch.randint(0, 48, (1, 7))
     with torch.no_grad():
         expected = model(ids).logits
@@ -261,19 +275,42 @@ def test_crossover_probe_stops_at_the_first_losing_size_from_the_top(monkeypatch
         return (0.5 if rows >= 6 or rows == 2 else 1.0) if packed else 1.0
 
     monkeypatch.setattr(fast_path, "_best_seconds", fake_best_seconds)
-    monkeypatch.setattr(fast_path, "_measured_min_rows", {})
-    assert fast_path.measure_packed_min_rows(torch.randn(40, 24)) == 6
+    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 6)
     assert measured == [16, 12, 8, 6, 4, 4]  # the loss at 4 is measured twice; 3, 2 and 1 are never timed
+
+
+@pytest.mark.skipif("row_block" not in KERNELS, reason="the row-block kernel does not run on this machine")
+def test_the_kernel_that_costs_least_over_the_probed_sizes_is_chosen(monkeypatch):
+    def fake_best_seconds(calls):
+        func = calls[0].func
+        if func is torch.nn.functional.linear:
+            return 1.0
+        if func is fast_path._run_packed:  # oneDNN: twice as fast from 6 rows, slower below
+            return 0.5 if calls[0].args[0].shape[1] >= 6 else 1.5
+        return 0.6  # the row-block kernel: 0.6 at every size
+
+    monkeypatch.setattr(fast_path, "_best_seconds", fake_best_seconds)
+    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    # oneDNN: 4 x 0.5 + 4 x 1.0 (F.linear below its crossover) = 6.0; row-block: 8 x 0.6 = 4.8
+    assert fast_path.measure_packed_kernel(torch.randn(40, 24)) == ("row_block", 1)
+    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    # at 0.8 every size the row-block kernel costs 6.4: oneDNN, from its crossover of 6 rows
+    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: 0.8 if calls[0].func not in
+                        (torch.nn.functional.linear, fast_path._run_packed) else fake_best_seconds(calls))
+    assert fast_path.measure_packed_kernel(torch.randn(40, 24)) == ("onednn", 6)
 
 
 def test_crossover_probe_reads_distinct_weight_copies(monkeypatch):
     seen = []
     monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: seen.append(calls) or 1.0)
-    monkeypatch.setattr(fast_path, "_measured_min_rows", {})
+    monkeypatch.setattr(fast_path, "_measured_choices", {})
     monkeypatch.setattr(fast_path, "_PROBE_BYTES", 40 * 24 * 4 * 8)  # room for 8 copies of a 40x24 fp32 weight
-    fast_path.measure_packed_min_rows(torch.randn(40, 24))
-    stock_weights = [call.args[1] for call in seen[0]]
-    assert len(stock_weights) == 8 and len({w.data_ptr() for w in stock_weights}) == 8
+    fast_path.measure_packed_kernel(torch.randn(40, 24))
+    for calls in seen:  # stock and every kernel (oneDNN's packed copies are opaque: told apart by identity)
+        weights = [call.args[1] for call in calls]
+        assert len(weights) == 8 and len({w.data_ptr() if w.is_mkldnn is False and w.layout == torch.strided else id(w)
+                                          for w in weights}) == 8
 
 
 def test_packed_copies_that_would_not_fit_in_memory_are_not_made(monkeypatch, caplog):

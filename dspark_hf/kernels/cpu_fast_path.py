@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
+from . import cpu_row_block
 from .cpu_attention import use_cpu_gqa_attention
 from .cpu_decoder import use_lean_decoder
 
@@ -55,6 +56,9 @@ logger = logging.get_logger(__name__)
 _BATCH_SIZE_HINT = 16
 _PACKED_ATTRIBUTE = "_dspark_packed_weight"
 _MIN_ROWS_ATTRIBUTE = "_dspark_packed_min_rows"
+_KERNEL_ATTRIBUTE = "_dspark_packed_kernel"
+ONEDNN, ROW_BLOCK = "onednn", "row_block"
+PACKED_KERNELS = (ONEDNN, ROW_BLOCK)
 _PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 # Packed must be clearly faster on the probe: near the crossover the two kernels are within the
 # probe's noise, and a layer-level win of a few percent did not survive in whole-model steps.
@@ -69,8 +73,8 @@ _MAX_PROBE_COPIES = 100
 # The packed copies may take at most this share of the memory available when packing starts: a model
 # that nearly fills memory keeps its stock layers (logged) rather than pushing the machine into swap.
 _MEMORY_SHARE = 0.8
-# (out_features, in_features, threads, dtype) -> fewest input rows for which the packed kernel is faster.
-_measured_min_rows: dict[tuple[int, int, int, torch.dtype], int] = {}
+# (out_features, in_features, threads, dtype, candidate kernels) -> (packed kernel, fewest input rows for which it is faster).
+_measured_choices: dict[tuple, tuple[str, int]] = {}
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Probe tolerance per dtype: the packed kernel sums in another order (and, in half precision, may
 # keep fp32 partial sums where F.linear rounds earlier).
@@ -102,6 +106,23 @@ def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
         return _packed_linear(x, packed, bias)
     bias = None if bias is None else bias.to(packed.dtype)
     return _packed_linear(x.to(packed.dtype), packed, bias).to(x.dtype)
+
+
+def _pack_for(kernel: str, weight: torch.Tensor) -> tuple:
+    """``(packed weight, run)`` for ``kernel``, where ``run(x, packed, bias)`` computes the layer."""
+    if kernel == ROW_BLOCK:
+        if row_block_usable(weight.dtype):
+            return cpu_row_block.pack_row_blocks(weight), cpu_row_block.runner(weight.shape[0])
+        # e.g. a prepared model unpickled in a process that cannot build the kernel: same results within rounding
+        logger.warning_once("dspark_hf: a layer packed for the row-block kernel runs on oneDNN's instead: %s.",
+                            cpu_row_block.row_block_unavailable_reason() or f"no row-block kernel for {weight.dtype}")
+    return _pack(weight), _run_packed
+
+
+def row_block_usable(dtype: torch.dtype) -> bool:
+    """Whether the row-block kernel (:mod:`dspark_hf.kernels.cpu_row_block`) runs here for ``dtype``
+    weights (building it on first call)."""
+    return cpu_row_block.supports_dtype(dtype) and cpu_row_block.row_block_unavailable_reason() is None
 
 
 def fast_path_unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:
@@ -144,70 +165,104 @@ def _best_seconds(calls: list) -> float:
     return best
 
 
-def measure_packed_min_rows(weight: torch.Tensor) -> int:
-    """Fewest input rows for which the packed kernel beats ``F.linear`` on this weight's shape.
+def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKED_KERNELS) -> tuple[str, int]:
+    """The packed kernel to use for this weight's shape and dtype, and the fewest input rows from
+    which it beats ``F.linear``: ``(kernel, min_rows)``, ``kernel`` one of :data:`PACKED_KERNELS`.
 
-    Measured once per shape, dtype and thread count in a process (about 0.1-2 s per shape), on
+    Measured once per shape, dtype and thread count in a process (about 0.2-4 s per shape), on
     random weights of the same shape and dtype, read from memory rather than from cache: a timing
     batch cycles through copies of the weight (up to 64 MB) as a decode step streams the model.
-    Above the largest probed size (16 rows) the packed kernel is used.
+    Each candidate (oneDNN's packed kernel; the row-block kernel where it runs here) gets its
+    crossover against ``F.linear``; the one whose layer costs least summed over the probed row
+    counts (1 to 16, each candidate below its crossover costing what ``F.linear`` costs) is chosen.
+    Above the largest probed size (16 rows) the packed kernel is used. ``kernels`` limits the candidates.
     """
-    key = (weight.shape[0], weight.shape[1], torch.get_num_threads(), weight.dtype)
-    if key not in _measured_min_rows:
-        generator = torch.Generator().manual_seed(0)
-        probe = torch.randn(weight.shape, generator=generator).to(weight.dtype)
-        copies = max(1, min(_MAX_PROBE_COPIES, math.ceil(_PROBE_BYTES / (probe.numel() * probe.element_size()))))
-        weights = [probe] + [probe.clone() for _ in range(copies - 1)]
-        packed = [_pack(w) for w in weights]
-        repeat = math.ceil(4 / copies)  # at least four calls per batch, so that a batch outlasts timer noise
-        inputs = {rows: torch.randn(1, rows, probe.shape[1], generator=generator).to(weight.dtype)
-                  for rows in _PROBE_ROWS}
+    candidates = [k for k in PACKED_KERNELS if k in kernels and (k != ROW_BLOCK or row_block_usable(weight.dtype))]
+    if not candidates:
+        raise ValueError(f"none of the packed kernels {kernels} runs here for {weight.dtype} weights.")
+    key = (weight.shape[0], weight.shape[1], torch.get_num_threads(), weight.dtype, tuple(candidates))
+    if key in _measured_choices:
+        return _measured_choices[key]
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(weight.shape, generator=generator).to(weight.dtype)
+    copies = max(1, min(_MAX_PROBE_COPIES, math.ceil(_PROBE_BYTES / (probe.numel() * probe.element_size()))))
+    weights = [probe] + [probe.clone() for _ in range(copies - 1)]
+    repeat = math.ceil(4 / copies)  # at least four calls per batch, so that a batch outlasts timer noise
+    inputs = {rows: torch.randn(1, rows, probe.shape[1], generator=generator).to(weight.dtype) for rows in _PROBE_ROWS}
+    stock_seconds: dict[int, float] = {}
 
-        def packed_wins_at(rows: int) -> bool:
-            x = inputs[rows]
-            _run_packed(x, packed[0], None), F.linear(x, probe)  # warm both kernels
-            stock = _best_seconds([functools.partial(F.linear, x, w) for w in weights] * repeat)
-            fast = _best_seconds([functools.partial(_run_packed, x, p, None) for p in packed] * repeat)
-            return fast <= _PACKED_MARGIN * stock
+    def time_stock(rows: int) -> float:
+        x = inputs[rows]
+        F.linear(x, probe)  # warm
+        stock_seconds[rows] = _best_seconds([functools.partial(F.linear, x, w) for w in weights] * repeat)
+        return stock_seconds[rows]
 
-        # The crossover is the smallest size from which packed wins at every larger probed size, so
-        # sizes are measured from the largest down, to the first that loses. A size that lost is
-        # measured once more: one busy moment at a middle size would otherwise push the crossover
-        # past it (a 192x576 bf16 layer's came out 1, 6 or 8 in repeated single-pass probes while its
-        # packed kernel was 15-35% faster at every size).
-        min_rows = _PROBE_ROWS[-1] + 1
-        with torch.no_grad():
+    choices = []
+    with torch.no_grad():
+        for kernel in candidates:
+            packed = [_pack_for(kernel, w) for w in weights]
+            packed_seconds: dict[int, float] = {}
+
+            def packed_wins_at(rows: int) -> bool:
+                x = inputs[rows]
+                packed[0][1](x, packed[0][0], None)  # warm
+                packed_seconds[rows] = _best_seconds([functools.partial(run, x, p, None) for p, run in packed] * repeat)
+                return packed_seconds[rows] <= _PACKED_MARGIN * time_stock(rows)  # timed together: same moment
+
+            # The crossover is the smallest size from which the kernel wins at every larger probed size,
+            # so sizes are measured from the largest down, to the first that loses. A size that lost is
+            # measured once more: one busy moment at a middle size would otherwise push the crossover
+            # past it (a 192x576 bf16 layer's came out 1, 6 or 8 in repeated single-pass probes while its
+            # packed kernel was 15-35% faster at every size).
+            min_rows = _PROBE_ROWS[-1] + 1
             for rows in reversed(_PROBE_ROWS):
                 if not (packed_wins_at(rows) or packed_wins_at(rows)):
                     break
                 min_rows = rows
-        _measured_min_rows[key] = min_rows
-    return _measured_min_rows[key]
+            del packed
+            for rows in _PROBE_ROWS:
+                if rows not in stock_seconds:
+                    time_stock(rows)
+            cost = sum(packed_seconds[r] if r >= min_rows else stock_seconds[r] for r in _PROBE_ROWS)
+            choices.append((cost, kernel, min_rows))
+    _, kernel, min_rows = min(choices, key=lambda choice: choice[0])  # a tie keeps the earlier (oneDNN)
+    _measured_choices[key] = (kernel, min_rows)
+    return kernel, min_rows
+
+
+def measure_packed_min_rows(weight: torch.Tensor) -> int:
+    """Fewest input rows from which the packed kernel chosen by :func:`measure_packed_kernel` is used."""
+    return measure_packed_kernel(weight)[1]
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose no-grad forward uses a oneDNN-packed copy of its weight.
+    """An ``nn.Linear`` whose no-grad forward uses a packed copy of its weight (oneDNN's layout or
+    the row-block kernel's, whichever :func:`measure_packed_kernel` chose for its shape).
 
     Instances are made by :func:`optimize_for_cpu` by changing the class of an existing
     ``nn.Linear`` (so parameters, hooks and ties are untouched); do not construct it directly.
     """
 
     def __getstate__(self) -> dict:
-        # The packed copy is an opaque oneDNN tensor that cannot be copied or pickled; a copy of the
+        # The packed copy may be an opaque oneDNN tensor that cannot be copied or pickled; a copy of the
         # layer (copy.deepcopy, torch.save of the model) packs its own weight on first use.
         state = self.__dict__.copy()
         state.pop(_PACKED_ATTRIBUTE, None)
         return state
 
-    def _packed_weight(self) -> torch.Tensor:
+    def _packed_entry(self) -> tuple:
         weight = self.weight
         entry = self.__dict__.get(_PACKED_ATTRIBUTE)
         if entry is None or not _entry_matches(entry, weight):
             # Holds the weight itself, so identity is checked by `is` (an id can be reused once a tensor
             # is freed); a replaced weight is released when the layer next repacks.
-            entry = (weight, weight._version, weight.data_ptr(), weight.dtype, _pack(weight))
+            packed, run = _pack_for(self.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN), weight)
+            entry = (weight, weight._version, weight.data_ptr(), weight.dtype, packed, run)
             object.__setattr__(self, _PACKED_ATTRIBUTE, entry)  # not a parameter or buffer
-        return entry[4]
+        return entry
+
+    def _packed_weight(self) -> torch.Tensor:
+        return self._packed_entry()[4]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Every decode step calls this ~200 times for a small model, so the common case reads the
@@ -220,7 +275,7 @@ class PackedLinear(nn.Linear):
         entry = state.get(_PACKED_ATTRIBUTE)
         if entry is not None and input.dtype is entry[3] and input.is_cpu and _entry_matches(entry, weight) \
                 and not (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad)):
-            return _run_packed(input, entry[4], bias)
+            return entry[5](input, entry[4], bias)
         usable = (
             weight.device.type == "cpu"
             and input.dtype == weight.dtype
@@ -230,7 +285,8 @@ class PackedLinear(nn.Linear):
         )
         if not usable:
             return F.linear(input, weight, bias)
-        return _run_packed(input, self._packed_weight(), bias)
+        entry = self._packed_entry()
+        return entry[5](input, entry[4], bias)
 
 
 def _entry_matches(entry: tuple, weight: torch.Tensor) -> bool:
@@ -239,31 +295,37 @@ def _entry_matches(entry: tuple, weight: torch.Tensor) -> bool:
     return entry[0] is weight and entry[1] == weight._version and entry[2] == weight.data_ptr()
 
 
-def pack_linear(module: nn.Linear, packed_min_rows: int | None = None) -> int:
+def pack_linear(module: nn.Linear, packed_min_rows: int | None = None, kernel: str | None = None) -> int:
     """Turns one plain CPU ``nn.Linear`` (of a packable dtype) into a :class:`PackedLinear` in place (parameters,
     hooks and ties untouched) and packs its weight; returns the crossover in input rows it uses.
 
-    For callers that have already checked :func:`fast_path_unavailable_reason` for its dtype and the
-    layer (plain ``nn.Linear``, on CPU); :func:`optimize_for_cpu` is the public entry point.
+    ``kernel`` and ``packed_min_rows`` default to what :func:`measure_packed_kernel` measures for the
+    layer's shape; a ``packed_min_rows`` given without a ``kernel`` takes the row-block kernel where it
+    runs here, else oneDNN's. For callers that have already checked :func:`fast_path_unavailable_reason`
+    for its dtype and the layer (plain ``nn.Linear``, on CPU); :func:`optimize_for_cpu` is the public entry point.
     """
+    if packed_min_rows is None:
+        kernel, packed_min_rows = measure_packed_kernel(module.weight, (kernel,) if kernel else PACKED_KERNELS)
+    elif kernel is None:
+        kernel = ROW_BLOCK if row_block_usable(module.weight.dtype) else ONEDNN
     module.__class__ = PackedLinear
     if hasattr(module, "_old_forward"):  # accelerate's hook calls the forward it saved
         module._old_forward = types.MethodType(PackedLinear.forward, module)
-    min_rows = packed_min_rows or measure_packed_min_rows(module.weight)
-    object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, min_rows)
+    object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, packed_min_rows)
+    object.__setattr__(module, _KERNEL_ATTRIBUTE, kernel)
     with torch.no_grad():
-        module._packed_weight()
-    return min_rows
+        module._packed_entry()
+    return packed_min_rows
 
 
 def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
     """``module`` packed the way ``source`` is: when ``source`` is a :class:`PackedLinear` (the model
     went through :func:`optimize_for_cpu`) and ``module`` is a plain CPU ``nn.Linear`` of a dtype packed here, it is
-    packed in place with ``source``'s crossover (no timing probe: this can run inside a generation, and
+    packed in place with ``source``'s kernel and crossover (no timing probe: this can run inside a generation, and
     it keeps a ``packed_min_rows`` the user chose); otherwise it is returned as it is."""
     # The source's dtype passed its probe when it was packed: no second probe inside a generation.
     if isinstance(source, PackedLinear) and _skip_reason(module) is None and module.weight.dtype == source.weight.dtype:
-        pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1))
+        pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1), source.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN))
     return module
 
 
@@ -278,13 +340,16 @@ def _skip_reason(module: nn.Linear) -> str | None:
     return None
 
 
-def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) -> nn.Module:
+def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
+                     packed_kernel: str | None = None) -> nn.Module:
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
-    Every ``nn.Linear`` on the CPU runs from a weight packed once for oneDNN (see the module
-    docstring for why and what it costs): float32 always; bfloat16 and float16 with oneDNN's kernels
-    for them where this CPU has them, else as float32 copies (:func:`kernel_dtype`); the number of
-    input rows from which the packed kernel is used is measured per weight shape and dtype, so a
+    Every ``nn.Linear`` on the CPU runs from a copy of its weight packed once, with the kernel that
+    measures fastest for its shape on this CPU (see the module docstring for why and what it costs):
+    oneDNN's packed kernel (float32; bfloat16 and float16 with oneDNN's kernels for them where this
+    CPU has them, else through float32 copies, :func:`kernel_dtype`) or the row-block kernel
+    (:mod:`dspark_hf.kernels.cpu_row_block`: x86 with AVX2, weights kept in their own dtype, built on
+    first use); the number of input rows from which the packed kernel is used is measured too, so a
     kernel that does not pay here is not used. A model on CPU whose attention has grouped key/value
     heads and runs on transformers' ``sdpa`` switches to an attention function that does not copy
     the KV cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`;
@@ -308,16 +373,24 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     Args:
         model: the model to prepare.
         packed_min_rows: inputs with fewer rows (tokens x batch) than this keep ``F.linear``; the
-            rest use the packed weight. ``None`` (default) measures the crossover once per weight
-            shape on this machine (:func:`measure_packed_min_rows`); ``1`` always uses the packed
-            weight.
+            rest use the packed weight. ``None`` (default) measures the kernel and its crossover once
+            per weight shape on this machine (:func:`measure_packed_kernel`); ``1`` always uses the
+            packed weight.
+        packed_kernel: ``"onednn"`` or ``"row_block"`` to use that kernel for every layer; ``None``
+            (default) measures, or with ``packed_min_rows`` given takes the row-block kernel where it
+            runs here. Asking for ``"row_block"`` where it cannot run raises ``ValueError`` with the reason.
     """
     if packed_min_rows is not None and (isinstance(packed_min_rows, bool) or not isinstance(packed_min_rows, int)
                                         or packed_min_rows < 1):
         raise ValueError(f"packed_min_rows must be an integer >= 1 or None (measure it), got {packed_min_rows!r}.")
+    if packed_kernel not in (None, *PACKED_KERNELS):
+        raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS} or None (measure it), got {packed_kernel!r}.")
+    if packed_kernel == ROW_BLOCK and cpu_row_block.row_block_unavailable_reason() is not None:
+        raise ValueError(f"packed_kernel='row_block' cannot run here: {cpu_row_block.row_block_unavailable_reason()}. "
+                         "Use packed_kernel=None (measure) or 'onednn'.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize_for_cpu expects a torch.nn.Module, got {type(model).__name__}.")
-    _pack_linear_layers(model, packed_min_rows)
+    _pack_linear_layers(model, packed_min_rows, packed_kernel)
     first_parameter = next(model.parameters(), None)
     if first_parameter is not None and first_parameter.device.type == "cpu":
         use_cpu_gqa_attention(model)
@@ -325,7 +398,7 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None) ->
     return model
 
 
-def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
+def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_kernel: str | None) -> None:
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     to_pack = [(name, m) for name, m in linears if not isinstance(m, PackedLinear)]
     if not to_pack:
@@ -346,6 +419,7 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
             skipped.setdefault(reason, []).append(name)
         else:
             packable.append((name, module))
+    # The largest the copies can be (oneDNN's float32 copies of half-precision weights where it has no kernel for them).
     needed = sum(m.weight.numel() * kernel_dtype(m.weight.dtype).itemsize for _, m in packable)
     available = available_memory_bytes()
     if available is not None and needed > _MEMORY_SHARE * available:
@@ -355,22 +429,28 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None) -> None:
         return
 
     start = time.perf_counter()
-    crossovers = {}
+    choices = {}
     with torch.no_grad():
         for name, module in packable:
-            crossovers[(*module.weight.shape, module.weight.dtype)] = pack_linear(module, packed_min_rows)
-    for dtype in sorted({d for (_, _, d) in crossovers if kernel_dtype(d) != d}, key=str):
+            min_rows = pack_linear(module, packed_min_rows, packed_kernel)
+            choices[(*module.weight.shape, module.weight.dtype)] = (module.__dict__[_KERNEL_ATTRIBUTE], min_rows)
+    made = sum(m._packed_weight().numel() * m._packed_weight().element_size() for _, m in packable
+               if m.__dict__[_KERNEL_ATTRIBUTE] == ROW_BLOCK)
+    made += sum(m.weight.numel() * kernel_dtype(m.weight.dtype).itemsize for _, m in packable
+                if m.__dict__[_KERNEL_ATTRIBUTE] == ONEDNN)
+    widened = sorted({d for (_, _, d), (k, _) in choices.items() if k == ONEDNN and kernel_dtype(d) != d}, key=str)
+    for dtype in widened:
         logger.info("optimize_for_cpu: this CPU has no oneDNN %s kernels (they need avx512-bf16/avx512-fp16 or AMX): "
-                    "%s layers run inputs from their crossover on through float32 copies of their weights.",
+                    "%s layers on oneDNN's kernel run inputs from their crossover on through float32 copies of their weights.",
                     str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
     logger.info(
         "optimize_for_cpu: packed %d linear layers (%.0f MB of extra memory) in %.2f s.",
-        len(packable), needed / 2**20, time.perf_counter() - start,
+        len(packable), made / 2**20, time.perf_counter() - start,
     )
-    if crossovers:
-        logger.info("optimize_for_cpu: packed kernel from this many input rows, per weight shape: %s.",
-                    ", ".join(f"{o}x{i} {str(d).removeprefix('torch.')}: {r}"
-                              for (o, i, d), r in sorted(crossovers.items(), key=str)))
+    if choices:
+        logger.info("optimize_for_cpu: packed kernel and the input rows it is used from, per weight shape: %s.",
+                    ", ".join(f"{o}x{i} {str(d).removeprefix('torch.')}: {k} from {r}"
+                              for (o, i, d), (k, r) in sorted(choices.items(), key=str)))
     for reason, names in skipped.items():
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
 
@@ -392,5 +472,6 @@ def is_optimized_for_cpu(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-__all__ = ["PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "kernel_dtype", "measure_packed_min_rows",
-           "optimize_for_cpu", "pack_linear", "packed_like"]
+__all__ = ["PACKED_KERNELS", "PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "kernel_dtype",
+           "measure_packed_kernel", "measure_packed_min_rows", "optimize_for_cpu", "pack_linear", "packed_like",
+           "row_block_usable"]

@@ -38,9 +38,7 @@ to match it), a different kernel from the low-rank bias, for a variant the paper
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,7 +48,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
-from ..cache_dir import default_cache_dir
+from ..cache_dir import extension_dir
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
 from ..model.draft_vocab import cuda_op_markov_w2
 from ..scheduling.policies import offer_until_refused
@@ -114,17 +112,6 @@ _GRAPHS = GraphCache()  # captured op calls (serial_sample_cuda(graph=True)), pe
 _state: dict = {"loaded": False, "error": None}
 _lock = threading.Lock()
 _warned: set[str] = set()
-
-
-def extension_dir() -> Path:
-    """Where the compiled extension is cached (one folder per torch / CUDA / Python version)."""
-    explicit = os.environ.get("DSPARK_HF_EXTENSION_DIR")
-    if explicit:
-        root = Path(explicit)
-    else:
-        root = default_cache_dir() / "torch_extensions"
-    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return root.expanduser() / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
 
 
 def build_problem() -> str | None:

@@ -1,0 +1,166 @@
+"""The row-block linear kernel: a compiled small-batch ``x @ W.T + b`` for x86 CPUs with AVX2.
+
+A decode step runs 1 to ~16 input rows through every weight matrix, so it should cost what reading
+the weights costs, whatever the number of rows. oneDNN's packed kernel pays a fixed cost per call
+(about 30 us at one row on a Zen 3 EPYC) and MKL's sgemm repacks the weight per call; on CPUs without
+bfloat16 instructions neither has a bfloat16 kernel, so a bfloat16 model falls back to a float32 copy
+of its weights (twice the bytes to stream). This kernel (``csrc/cpu_row_block_linear.cpp``) stores
+the weight once in 16-column blocks in its own dtype (float32, bfloat16 or float16, widened in
+registers) and reads each block once for up to 12 rows.
+
+Each output is a single float32 fused multiply-add chain over the input features in order, whatever
+the number of rows: a row's result does not depend on the batch it is in. Against ``F.linear`` the
+sums run in another order, so results agree within rounding (checked on a probe before use).
+
+:func:`~dspark_hf.kernels.cpu_fast_path.optimize_for_cpu` measures this kernel against oneDNN's per
+weight shape and uses whichever is faster on the CPU at hand. Build: compiled with
+``torch.utils.cpp_extension.load`` on first use (about 30 s; needs a C++ compiler and ninja) and cached
+next to the CUDA op (:func:`dspark_hf.cache_dir.extension_dir`). Where it cannot be built or the CPU
+lacks AVX2/FMA, the oneDNN path is used and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.utils import logging
+
+from ..cache_dir import extension_dir
+
+logger = logging.get_logger(__name__)
+
+EXTENSION_NAME = "dspark_hf_cpu_row_block"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_row_block_linear.cpp"
+BLOCK = 16  # output columns per block: two AVX2 registers
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PROBE_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
+
+_lock = threading.Lock()
+_state: dict = {"module": None, "problem": None}
+
+
+def _cpu_problem() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it is written for x86-64 and this machine is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"it needs AVX2 and FMA, and torch reports this CPU's capability as {capability}"
+    return None
+
+
+def _build_problem() -> str | None:
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja); torch.utils.cpp_extension needs it to build the kernel"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)"
+    return None
+
+
+def _load():
+    """The compiled module, building it on first use; None (reason in ``_state``) where that fails."""
+    with _lock:
+        if _state["module"] is not None or _state["problem"] is not None:
+            return _state["module"]
+        problem = _cpu_problem() or _build_problem()
+        if problem is None:
+            try:
+                _state["module"] = _build()
+                problem = _probe_problem(_state["module"])
+            except Exception as error:  # compiler errors, missing headers, load failures
+                problem = (f"building it failed ({type(error).__name__}: {str(error)[:300]}); rerun "
+                           "dspark_hf.kernels.cpu_row_block.load_kernel(verbose=True) to see the compiler output")
+        if problem is not None:
+            _state["module"] = None
+            _state["problem"] = problem
+            logger.info("dspark_hf: the CPU row-block linear kernel is not used: %s; oneDNN's kernel runs instead.", problem)
+        return _state["module"]
+
+
+def _build(verbose: bool = False):
+    from torch.utils import cpp_extension
+
+    build_dir = extension_dir() / "cpu_row_block"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob(f"{EXTENSION_NAME}*.so")):
+        logger.warning("dspark_hf: compiling the CPU row-block linear kernel (first use only, about 30 s) in %s ...",
+                       build_dir)
+    start = time.perf_counter()
+    # -fopenmp: at::parallel_for splits work only when compiled with OpenMP; the library it links
+    # (libgomp.so.1) resolves to the one torch has already loaded.
+    module = cpp_extension.load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
+    logger.info("dspark_hf: CPU row-block linear kernel ready (%.1f s).", time.perf_counter() - start)
+    return module
+
+
+def _probe_problem(module) -> str | None:
+    generator = torch.Generator().manual_seed(0)
+    for dtype in _DTYPES:
+        weight = torch.randn(40, 24, generator=generator).to(dtype)  # 40: a partial last block
+        bias = torch.randn(40, generator=generator).to(dtype)
+        x = torch.randn(2, 13, 24, generator=generator).to(dtype)  # 26 rows: full and partial row groups
+        got = module.row_block_linear(x, pack_row_blocks(weight), weight.shape[0], bias)
+        expected = F.linear(x.float(), weight.float(), bias.float())
+        rtol, atol = _PROBE_TOLERANCE[dtype]
+        if got.dtype != dtype or got.shape != expected.shape or not torch.allclose(got.float(), expected, rtol=rtol, atol=atol):
+            return f"it gave a result different from F.linear on a {dtype} probe"
+    return None
+
+
+def load_kernel(verbose: bool = False) -> None:
+    """Builds (first use) and loads the kernel now; raises ``RuntimeError`` with the reason where it cannot."""
+    if verbose and _state["module"] is None:
+        with _lock:
+            _state["problem"] = None
+            _state["module"] = _build(verbose=True)
+    if _load() is None:
+        raise RuntimeError(f"The dspark_hf CPU row-block linear kernel is unavailable: {_state['problem']}.")
+
+
+def row_block_unavailable_reason() -> str | None:
+    """Why the kernel cannot run here (building it on first call), or None when it can."""
+    _load()
+    return _state["problem"]
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPES
+
+
+def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as [ceil(N / 16), K, 16] in its own dtype (the last block zero-padded)."""
+    weight = weight.detach()
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // BLOCK)
+    padded = weight.new_zeros(blocks * BLOCK, in_features)
+    padded[:out_features] = weight
+    return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()
+
+
+def runner(out_features: int):
+    """``run(x, packed, bias)`` for a layer of ``out_features`` outputs (the form PackedLinear calls)."""
+    linear = _state["module"].row_block_linear
+
+    def run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, packed, out_features, bias)
+
+    return run
+
+
+def row_block_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` in ``x``'s dtype, with ``W`` packed by :func:`pack_row_blocks`."""
+    return _state["module"].row_block_linear(x, packed, out_features, bias)
+
+
+__all__ = ["load_kernel", "pack_row_blocks", "row_block_linear", "row_block_unavailable_reason", "runner",
+           "supports_dtype"]
