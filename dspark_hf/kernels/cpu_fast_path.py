@@ -1,24 +1,29 @@
-"""CPU fast path: linear layers that run from weights packed once for oneDNN.
+"""CPU fast path: linear layers that run from weights packed once, with the kernel that measures fastest.
 
 Decoding is memory-bound: a forward of 1 to 16 new tokens reads the same weights, so it should
 cost about the same. With torch's default CPU path it does not. ``F.linear`` goes to MKL's sgemm,
 which re-packs the weight matrix on every call for small batches. A verify forward of several
 tokens then costs 1.5-1.9x a one-token step, which makes most drafted tokens too expensive to
-verify. Where MKL is fast depends on the processor: on one AMD machine its one-row GEMV ran at half
-oneDNN's speed; on an Intel Xeon (AVX-512) its GEMV for 1-3 rows beat oneDNN and only 4+ rows fell
-off the cliff (benchmarks/verify_cost.py). So each packed layer keeps both paths and picks by the
-number of input rows, from a crossover measured once per weight shape on this machine.
+verify. Where each kernel is fast depends on the processor: on one AMD machine MKL's one-row GEMV
+ran at half oneDNN's speed; on an Intel Xeon (AVX-512) its GEMV for 1-3 rows beat oneDNN and only
+4+ rows fell off the cliff (benchmarks/verify_cost.py). So each packed layer keeps ``F.linear`` for
+small inputs and picks its packed kernel and the number of input rows from which it is used from
+timings taken once per weight shape on this machine (:func:`measure_packed_kernel`).
 
-:func:`optimize_for_cpu` reorders each ``nn.Linear`` weight once into oneDNN's blocked layout
-and runs the layer with oneDNN's linear kernel, the same pair of ops inductor's CPU freezing pass
-emits (``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``).
-These are private torch ops, so they are feature-checked (present, and numerically equal to
-``F.linear`` on a small probe) before anything is changed; without them the model is left as it
-is and the reason is logged. bfloat16 and float16 weights are packed the same way where this torch
-build's oneDNN supports the dtype on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``,
-``..._fp16_supported()``: avx512-bf16 or AMX kernels), with their own probe; the crossover is
-measured in the weight's dtype, so a dtype whose packed kernel does not pay here keeps ``F.linear``
-for every verify-sized input.
+Two packed kernels compete:
+
+* oneDNN's: :func:`optimize_for_cpu` reorders the weight once into oneDNN's blocked layout and runs
+  it with oneDNN's linear kernel, the same pair of ops inductor's CPU freezing pass emits
+  (``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``). These are
+  private torch ops, so they are feature-checked (present, and numerically equal to ``F.linear`` on a
+  small probe) before anything is changed; without them the model is left as it is and the reason
+  is logged. bfloat16 and float16 weights are packed the same way where this torch build's oneDNN
+  supports the dtype on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``,
+  ``..._fp16_supported()``: avx512-bf16 or AMX kernels), else as float32 copies, with their own probe.
+* the row-block kernel (:mod:`dspark_hf.kernels.cpu_row_block`): compiled on first use for x86 CPUs
+  with AVX2; weights in 16-column blocks in their own dtype, no fixed per-call cost, and a row's
+  result independent of its batch. On the AVX2-only Zen 3 it made SmolLM2's fp32 one-token step
+  1.4x faster than with oneDNN's kernel, and bf16 steps need no float32 copy.
 
 What stays the same: parameters (the packed copy is a plain attribute, not a parameter or buffer,
 so ``state_dict``/``save_pretrained`` write the ordinary weights), tied weights (the embedding
@@ -28,8 +33,8 @@ after packing (``load_state_dict``, an optimiser step, ``.to()``), the layer not
 tensor's identity and version counter and packs it again.
 
 Cost: one extra copy of every packed weight (for SmolLM2-135M about 540 MB next to the model's
-540 MB; twice the weight's own size for a float32 copy of half-precision weights) and the packing
-time, both logged.
+540 MB; twice the weight's own size for oneDNN's float32 copy of half-precision weights) and the
+packing and timing at prepare time, both logged.
 """
 
 from __future__ import annotations
