@@ -9,6 +9,11 @@ the target's, and the gap is the target's top-2 logit margin at the first differ
 recomputed with one full forward over the target's own output (bf16).
 
     python benchmarks/bf16_identity.py --per-set 20 --max-new-tokens 128 --out results/bf16_identity.json
+    python benchmarks/bf16_identity.py --prepare batch-invariant --out results/bf16_identity_invariant.json
+
+``--prepare fast`` runs target and draft through ``optimize_for_cpu``; ``--prepare batch-invariant``
+through ``optimize_for_cpu(target, batch_invariant=True)``, where a verify forward gives every token
+the logits of a one-token step bit for bit, so no method should differ.
 
 It measures agreement, not speed, so other jobs on the machine do not change its numbers.
 """
@@ -22,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark_hf import DSparkDraftModel
+from dspark_hf import DSparkDraftModel, optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
 from dspark_hf.benchmarks.shipped_drafts import shipped_drafts_dir
@@ -50,11 +55,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-set", type=int, default=20, help="prompts per set (GSM8K, HumanEval, MT-Bench)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prepare", choices=["none", "fast", "batch-invariant"], default="none",
+                        help="the target as loaded (default), through optimize_for_cpu, or with batch_invariant=True")
     parser.add_argument("--out", default="results/bf16_identity.json")
     args = parser.parse_args()
 
     target, tokenizer = load_smollm2(dtype=torch.bfloat16)
     draft = DSparkDraftModel.from_pretrained(shipped_drafts_dir(None) / "smollm2-135m-dspark").to(torch.bfloat16).eval()
+    if args.prepare != "none":
+        optimize_for_cpu(target, batch_invariant=args.prepare == "batch-invariant")
+        optimize_for_cpu(draft)
     rows = []
     jobs = [(s, p) for s in ("gsm8k", "humaneval", "mt-bench") for p in load_eval_prompts(s, limit=args.per_set)]
     for dataset, text in tqdm(jobs, desc="prompts"):

@@ -5,6 +5,7 @@
     python benchmarks/verify_cost.py --compile mlp+norms --sizes 1 2 4 8 16   # a third model: compiled parts
     python benchmarks/verify_cost.py --compare-lean --sizes 1 2 4 8 16       # prepared without its lean forward
     python benchmarks/verify_cost.py --compare-onednn --sizes 1 2 4 8 16     # prepared with oneDNN's kernel only
+    python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
 
 Both models run in one process, interleaved size by size and round by round (the machine's drift
 hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared are printed.
@@ -85,6 +86,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--compare-onednn", action="store_true",
                         help="also time the prepared model with oneDNN's packed kernel in every layer (the fast path "
                              "before the row-block kernel), to show what the measured kernel choice adds")
+    parser.add_argument("--compare-invariant", action="store_true",
+                        help="also time the model prepared with batch_invariant=True (each verified token gets the "
+                             "logits of a one-token step, bit for bit), to show what that costs")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -104,6 +108,8 @@ def main(argv=None) -> dict:
         steppers["packed only"] = _stepper(packed_only, context, new_ids)
     if args.compare_onednn:
         steppers["oneDNN only"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), packed_kernel="onednn"), context, new_ids)
+    if args.compare_invariant:
+        steppers["invariant"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), batch_invariant=True), context, new_ids)
     compile_seconds = None
     if args.compile != "none":
         start = time.perf_counter()
@@ -128,7 +134,7 @@ def main(argv=None) -> dict:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
-    for name in ("packed only", "oneDNN only", "compiled"):
+    for name in ("packed only", "oneDNN only", "invariant", "compiled"):
         if name in medians:
             print(f"B    {name} ms  {name} T(B)/T(1)  stock/{name}  {name}/prepared")
             for b in args.sizes:

@@ -52,6 +52,7 @@ from transformers.utils import logging
 from . import cpu_row_block
 from .cpu_attention import use_cpu_gqa_attention
 from .cpu_decoder import use_lean_decoder
+from .cpu_invariant import use_batch_invariant_verify
 
 logger = logging.get_logger(__name__)
 
@@ -346,7 +347,7 @@ def _skip_reason(module: nn.Linear) -> str | None:
 
 
 def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
-                     packed_kernel: str | None = None) -> nn.Module:
+                     packed_kernel: str | None = None, batch_invariant: bool = False) -> nn.Module:
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
     Every ``nn.Linear`` on the CPU runs from a copy of its weight packed once, with the kernel that
@@ -384,6 +385,11 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
         packed_kernel: ``"onednn"`` or ``"row_block"`` to use that kernel for every layer; ``None``
             (default) measures, or with ``packed_min_rows`` given takes the row-block kernel where it
             runs here. Asking for ``"row_block"`` where it cannot run raises ``ValueError`` with the reason.
+        batch_invariant: make a verify forward of k tokens give every token the logits of a one-token
+            step, bit for bit, so that greedy speculative decoding equals the target alone in bf16 and
+            fp16 too (:mod:`dspark_hf.kernels.cpu_invariant`): every linear on the row-block kernel from
+            one row, attention per query token in cached multi-token steps, checked on a probe. Costs
+            some verify speed; raises ``ValueError`` with the reason where it cannot hold.
     """
     if packed_min_rows is not None and (isinstance(packed_min_rows, bool) or not isinstance(packed_min_rows, int)
                                         or packed_min_rows < 1):
@@ -395,12 +401,35 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
                          "Use packed_kernel=None (measure) or 'onednn'.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize_for_cpu expects a torch.nn.Module, got {type(model).__name__}.")
+    if batch_invariant:
+        packed_kernel, packed_min_rows = _invariant_packing(model, packed_kernel, packed_min_rows)
     _pack_linear_layers(model, packed_min_rows, packed_kernel)
     first_parameter = next(model.parameters(), None)
     if first_parameter is not None and first_parameter.device.type == "cpu":
         use_cpu_gqa_attention(model)
         use_lean_decoder(model)
+        if batch_invariant:
+            use_batch_invariant_verify(model)
+    elif batch_invariant:
+        raise ValueError("batch_invariant=True is for a model on the CPU; move it there first (model.to('cpu')).")
     return model
+
+
+def _invariant_packing(model: nn.Module, packed_kernel: str | None, packed_min_rows: int | None) -> tuple[str, int]:
+    """The row-block kernel from one row, for every linear layer (re-packing layers packed otherwise)."""
+    if packed_kernel not in (None, ROW_BLOCK) or packed_min_rows not in (None, 1):
+        raise ValueError(f"batch_invariant=True runs every linear on the row-block kernel from one row; drop "
+                         f"packed_kernel={packed_kernel!r} / packed_min_rows={packed_min_rows!r}.")
+    reason = cpu_row_block.row_block_unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"batch_invariant=True needs the row-block linear kernel, which cannot run here: {reason}.")
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and (module.__dict__.get(_KERNEL_ATTRIBUTE), module.__dict__.get(
+                _MIN_ROWS_ATTRIBUTE)) != (ROW_BLOCK, 1):
+            object.__setattr__(module, _KERNEL_ATTRIBUTE, ROW_BLOCK)
+            object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, 1)
+            module.__dict__.pop(_PACKED_ATTRIBUTE, None)  # packed again on first use
+    return ROW_BLOCK, 1
 
 
 def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_kernel: str | None) -> None:
