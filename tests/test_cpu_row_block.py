@@ -90,7 +90,7 @@ def test_without_the_kernel_oneDNN_is_used_and_asking_for_it_says_why(unavailabl
 def test_a_failed_build_is_remembered_and_logged(monkeypatch, caplog):
     monkeypatch.setattr(row_block, "_state", {"module": None, "problem": None})
     monkeypatch.setattr(row_block, "_cpu_problem", lambda: None)
-    monkeypatch.setattr(row_block, "_build_problem", lambda: None)
+    monkeypatch.setattr(row_block, "cpp_toolchain_problem", lambda what: None)
     attempts = []
 
     def failing_build(verbose=False):
@@ -116,7 +116,7 @@ def test_a_kernel_that_disagrees_with_f_linear_is_not_used(monkeypatch):
 
     monkeypatch.setattr(row_block, "_state", {"module": None, "problem": None})
     monkeypatch.setattr(row_block, "_cpu_problem", lambda: None)
-    monkeypatch.setattr(row_block, "_build_problem", lambda: None)
+    monkeypatch.setattr(row_block, "cpp_toolchain_problem", lambda what: None)
     monkeypatch.setattr(row_block, "_build", lambda verbose=False: Wrong())
     assert "different from F.linear" in row_block.row_block_unavailable_reason()
     assert not fast_path.row_block_usable(torch.float32)
@@ -143,3 +143,15 @@ def test_a_copy_made_where_the_kernel_cannot_run_falls_back_to_onednn(monkeypatc
     with torch.no_grad():
         assert torch.allclose(clone(ids).logits, expected, atol=1e-5)
     assert clone.model.layers[0].mlp.up_proj._dspark_packed_weight[5] is fast_path._run_packed
+
+
+def test_a_missing_toolchain_is_named(monkeypatch):
+    from torch.utils import cpp_extension
+
+    from dspark_hf.kernels.build_tools import cpp_toolchain_problem
+
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    assert "no C++ compiler: 'no-such-compiler-xyz'" in cpp_toolchain_problem("the kernel")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    assert "ninja is not installed (pip install ninja)" in cpp_toolchain_problem("the kernel")
+    assert "to build the kernel" in cpp_toolchain_problem("the kernel")

@@ -21,9 +21,7 @@ lacks AVX2/FMA, the oneDNN path is used and the reason is logged once.
 
 from __future__ import annotations
 
-import os
 import platform
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ import torch.nn.functional as F
 from transformers.utils import logging
 
 from ..cache_dir import extension_dir
+from .build_tools import cpp_toolchain_problem
 
 logger = logging.get_logger(__name__)
 
@@ -55,23 +54,12 @@ def _cpu_problem() -> str | None:
     return None
 
 
-def _build_problem() -> str | None:
-    from torch.utils import cpp_extension
-
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed (pip install ninja); torch.utils.cpp_extension needs it to build the kernel"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)"
-    return None
-
-
 def _load():
     """The compiled module, building it on first use; None (reason in ``_state``) where that fails."""
     with _lock:
         if _state["module"] is not None or _state["problem"] is not None:
             return _state["module"]
-        problem = _cpu_problem() or _build_problem()
+        problem = _cpu_problem() or cpp_toolchain_problem("the kernel")
         if problem is None:
             try:
                 _state["module"] = _build()

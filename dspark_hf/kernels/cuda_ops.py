@@ -38,7 +38,6 @@ to match it), a different kernel from the low-rank bias, for a variant the paper
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.utils import logging
 
 from ..cache_dir import extension_dir
+from .build_tools import cpp_toolchain_problem
 from .cuda_graphs import GraphCache, can_capture, graphs_enabled
 from ..model.draft_vocab import cuda_op_markov_w2
 from ..scheduling.policies import offer_until_refused
@@ -130,12 +130,7 @@ def build_problem() -> str | None:
     if nvcc is None or not nvcc.exists():
         return (f"no CUDA compiler: nvcc was not found (CUDA_HOME={cuda_home!r}); install the CUDA toolkit "
                 f"matching torch.version.cuda={torch.version.cuda} and set CUDA_HOME to its folder")
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed (pip install ninja); torch.utils.cpp_extension needs it to build the op"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)"
-    return None
+    return cpp_toolchain_problem("the op")
 
 
 def load_extension(verbose: bool = False) -> None:
