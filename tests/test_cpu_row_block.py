@@ -120,6 +120,8 @@ def test_a_kernel_that_disagrees_with_f_linear_is_not_used(monkeypatch):
     monkeypatch.setattr(row_block, "_build", lambda verbose=False: Wrong())
     assert "different from F.linear" in row_block.row_block_unavailable_reason()
     assert not fast_path.row_block_usable(torch.float32)
+    with pytest.raises(RuntimeError, match="different from F.linear"):  # a verbose rebuild is probed too
+        row_block.load_kernel(verbose=True)
 
 
 def test_machines_without_avx2_are_told_why(monkeypatch):

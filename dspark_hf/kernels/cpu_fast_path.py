@@ -236,11 +236,6 @@ def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKE
     return kernel, min_rows
 
 
-def measure_packed_min_rows(weight: torch.Tensor) -> int:
-    """Fewest input rows from which the packed kernel chosen by :func:`measure_packed_kernel` is used."""
-    return measure_packed_kernel(weight)[1]
-
-
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose no-grad forward uses a packed copy of its weight (oneDNN's layout or
     the row-block kernel's, whichever :func:`measure_packed_kernel` chose for its shape).
@@ -468,10 +463,7 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
         for name, module in packable:
             min_rows = pack_linear(module, packed_min_rows, packed_kernel)
             choices[(*module.weight.shape, module.weight.dtype)] = (module.__dict__[_KERNEL_ATTRIBUTE], min_rows)
-    made = sum(m._packed_weight().numel() * m._packed_weight().element_size() for _, m in packable
-               if m.__dict__[_KERNEL_ATTRIBUTE] == ROW_BLOCK)
-    made += sum(m.weight.numel() * kernel_dtype(m.weight.dtype).itemsize for _, m in packable
-                if m.__dict__[_KERNEL_ATTRIBUTE] == ONEDNN)
+    made = sum(_packed_bytes(m) for _, m in packable)
     widened = sorted({d for (_, _, d), (k, _) in choices.items() if k == ONEDNN and kernel_dtype(d) != d}, key=str)
     for dtype in widened:
         logger.info("optimize_for_cpu: this CPU has no oneDNN %s kernels (they need avx512-bf16/avx512-fp16 or AMX): "
@@ -487,6 +479,14 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
                               for (o, i, d), (k, r) in sorted(choices.items(), key=str)))
     for reason, names in skipped.items():
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
+
+
+def _packed_bytes(module: PackedLinear) -> int:
+    """Memory of a layer's packed copy (oneDNN's is opaque: its weight's size in the kernel's dtype)."""
+    if module.__dict__[_KERNEL_ATTRIBUTE] == ROW_BLOCK:
+        packed = module._packed_weight()
+        return packed.numel() * packed.element_size()
+    return module.weight.numel() * kernel_dtype(module.weight.dtype).itemsize
 
 
 def available_memory_bytes() -> int | None:
@@ -507,5 +507,5 @@ def is_optimized_for_cpu(model: nn.Module) -> bool:
 
 
 __all__ = ["PACKED_KERNELS", "PackedLinear", "fast_path_unavailable_reason", "is_optimized_for_cpu", "kernel_dtype",
-           "measure_packed_kernel", "measure_packed_min_rows", "optimize_for_cpu", "pack_linear", "packed_like",
+           "measure_packed_kernel", "optimize_for_cpu", "pack_linear", "packed_like",
            "row_block_usable"]

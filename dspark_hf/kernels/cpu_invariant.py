@@ -43,7 +43,6 @@ logger = logging.get_logger(__name__)
 
 ROW_INVARIANT_ATTENTION = "sdpa_cpu_row_invariant"
 """The ``attn_implementation`` name of the attention that handles each query token of a step alone."""
-_PREVIOUS_ATTRIBUTE = "_dspark_attention_before_invariant"
 _PROBE_TOKENS = (8, 4)  # prefill, then this many tokens verified at once against as many one-token steps
 
 
@@ -91,6 +90,7 @@ def use_batch_invariant_verify(model: nn.Module) -> None:
     ``ValueError`` naming the problem (and leaves the attention as it was) when it cannot."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
+    previous = current
     if current != ROW_INVARIANT_ATTENTION:
         if current not in ("sdpa", CPU_GQA_ATTENTION) or not hasattr(model, "set_attn_implementation"):
             raise ValueError(
@@ -98,11 +98,10 @@ def use_batch_invariant_verify(model: nn.Module) -> None:
                 "Load it with attn_implementation='sdpa'."
             )
         _register()
-        model.__dict__[_PREVIOUS_ATTRIBUTE] = current
         model.set_attn_implementation(ROW_INVARIANT_ATTENTION)
     difference = _probe_difference(model)
     if difference is not None:
-        model.set_attn_implementation(model.__dict__.pop(_PREVIOUS_ATTRIBUTE, "sdpa"))
+        model.set_attn_implementation("sdpa" if previous == ROW_INVARIANT_ATTENTION else previous)
         raise ValueError(
             f"batch_invariant=True: a {_PROBE_TOKENS[1]}-token verify of this model does not give the logits of "
             f"{_PROBE_TOKENS[1]} one-token steps ({difference}); some layer of {type(model).__name__} depends on the "

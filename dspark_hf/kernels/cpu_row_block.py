@@ -54,15 +54,15 @@ def _cpu_problem() -> str | None:
     return None
 
 
-def _load():
-    """The compiled module, building it on first use; None (reason in ``_state``) where that fails."""
+def _load(verbose: bool = False):
+    """The compiled module, building (and probing) it on first use; None (reason in ``_state``) where that fails."""
     with _lock:
         if _state["module"] is not None or _state["problem"] is not None:
             return _state["module"]
         problem = _cpu_problem() or cpp_toolchain_problem("the kernel")
         if problem is None:
             try:
-                _state["module"] = _build()
+                _state["module"] = _build(verbose)
                 problem = _probe_problem(_state["module"])
             except Exception as error:  # compiler errors, missing headers, load failures
                 problem = (f"building it failed ({type(error).__name__}: {str(error)[:300]}); rerun "
@@ -106,12 +106,12 @@ def _probe_problem(module) -> str | None:
 
 
 def load_kernel(verbose: bool = False) -> None:
-    """Builds (first use) and loads the kernel now; raises ``RuntimeError`` with the reason where it cannot."""
-    if verbose and _state["module"] is None:
+    """Builds (first use) and loads the kernel now; raises ``RuntimeError`` with the reason where it cannot.
+    ``verbose=True`` builds again, showing the compiler output."""
+    if verbose:
         with _lock:
-            _state["problem"] = None
-            _state["module"] = _build(verbose=True)
-    if _load() is None:
+            _state.update(module=None, problem=None)
+    if _load(verbose) is None:
         raise RuntimeError(f"The dspark_hf CPU row-block linear kernel is unavailable: {_state['problem']}.")
 
 
