@@ -24,6 +24,13 @@ def _prompts(n, seed=0, vocab=48):
             for _ in range(n)]
 
 
+@pytest.fixture
+def fresh_choices(monkeypatch, tmp_path):
+    """No kernel choice remembered, in this process or on disk."""
+    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "cache"))
+
+
 def _count_packed(model):
     return sum(isinstance(m, PackedLinear) for m in model.modules())
 
@@ -218,6 +225,44 @@ def test_measured_kernel_and_crossover_are_cached_per_shape_and_bounded():
     assert (model[0]._dspark_packed_kernel, model[0]._dspark_packed_min_rows) == ("onednn", 5)
 
 
+def test_kernel_choices_are_kept_on_disk_per_environment(monkeypatch, fresh_choices, caplog):
+    from dspark_hf.kernels import kernel_choices
+
+    timed = []
+    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: timed.append(calls) or 1.0)
+    assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)  # never faster
+    assert timed and kernel_choices.choices_path().is_file()
+    timed.clear()
+    monkeypatch.setattr(fast_path, "_measured_choices", {})  # a new process on the same machine
+    assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)
+    assert not timed
+    # another shape, dtype or candidate set is timed
+    fast_path.measure_packed_kernel(torch.randn(40, 24).to(torch.bfloat16), ("onednn",))
+    assert timed
+
+    # another CPU (or torch, or kernel code) reads another file
+    first_file = kernel_choices.choices_path()
+    environment = kernel_choices._environment()
+    monkeypatch.setattr(kernel_choices, "_environment", lambda: {**environment, "cpu_model": "Another CPU"})
+    assert kernel_choices.choices_path() != first_file
+    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    timed.clear()
+    fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",))
+    assert timed
+
+    # a damaged file is reported and replaced by the new measurement; an entry naming another kernel is ignored
+    kernel_choices.choices_path().write_text("{not json")
+    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    timed.clear()
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.kernels.kernel_choices"):
+        assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)
+    assert timed and "Ignoring the kernel-choice cache" in caplog.text
+    key = (40, 24, torch.get_num_threads(), torch.float32, ("onednn",))
+    assert kernel_choices.load_choice(key) == ("onednn", 17)
+    kernel_choices.store_choice(key, ("row_block", 1))
+    assert kernel_choices.load_choice(key) is None
+
+
 def test_bad_packed_min_rows_is_refused():
     with pytest.raises(ValueError, match="packed_min_rows"):
         optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(4, 4)), packed_min_rows=0)
@@ -262,7 +307,7 @@ def test_a_prepared_model_can_be_deep_copied_and_pickled(tmp_path, kernel):
         assert torch.equal(loaded(ids).logits, expected)
 
 
-def test_crossover_probe_stops_at_the_first_losing_size_from_the_top(monkeypatch):
+def test_crossover_probe_stops_at_the_first_losing_size_from_the_top(monkeypatch, fresh_choices):
     measured = []
 
     def fake_best_seconds(calls):
@@ -275,13 +320,12 @@ def test_crossover_probe_stops_at_the_first_losing_size_from_the_top(monkeypatch
         return (0.5 if rows >= 6 or rows == 2 else 1.0) if packed else 1.0
 
     monkeypatch.setattr(fast_path, "_best_seconds", fake_best_seconds)
-    monkeypatch.setattr(fast_path, "_measured_choices", {})
     assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 6)
     assert measured == [16, 12, 8, 6, 4, 4]  # the loss at 4 is measured twice; 3, 2 and 1 are never timed
 
 
 @pytest.mark.skipif("row_block" not in KERNELS, reason="the row-block kernel does not run on this machine")
-def test_the_kernel_that_costs_least_over_the_probed_sizes_is_chosen(monkeypatch):
+def test_the_kernel_that_costs_least_over_the_probed_sizes_is_chosen(monkeypatch, tmp_path, fresh_choices):
     def fake_best_seconds(calls):
         func = calls[0].func
         if func is torch.nn.functional.linear:
@@ -291,20 +335,19 @@ def test_the_kernel_that_costs_least_over_the_probed_sizes_is_chosen(monkeypatch
         return 0.6  # the row-block kernel: 0.6 at every size
 
     monkeypatch.setattr(fast_path, "_best_seconds", fake_best_seconds)
-    monkeypatch.setattr(fast_path, "_measured_choices", {})
     # oneDNN: 4 x 0.5 + 4 x 1.0 (F.linear below its crossover) = 6.0; row-block: 8 x 0.6 = 4.8
     assert fast_path.measure_packed_kernel(torch.randn(40, 24)) == ("row_block", 1)
     monkeypatch.setattr(fast_path, "_measured_choices", {})
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "another cache"))
     # at 0.8 every size the row-block kernel costs 6.4: oneDNN, from its crossover of 6 rows
     monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: 0.8 if calls[0].func not in
                         (torch.nn.functional.linear, fast_path._run_packed) else fake_best_seconds(calls))
     assert fast_path.measure_packed_kernel(torch.randn(40, 24)) == ("onednn", 6)
 
 
-def test_crossover_probe_reads_distinct_weight_copies(monkeypatch):
+def test_crossover_probe_reads_distinct_weight_copies(monkeypatch, fresh_choices):
     seen = []
     monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: seen.append(calls) or 1.0)
-    monkeypatch.setattr(fast_path, "_measured_choices", {})
     monkeypatch.setattr(fast_path, "_PROBE_BYTES", 40 * 24 * 4 * 8)  # room for 8 copies of a 40x24 fp32 weight
     fast_path.measure_packed_kernel(torch.randn(40, 24))
     for calls in seen:  # stock and every kernel (oneDNN's packed copies are opaque: told apart by identity)

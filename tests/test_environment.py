@@ -1,13 +1,14 @@
 """The benchmark environment record names the CPU and the instruction sets its kernels can use."""
 
-from dspark_hf.benchmarks.environment import ISA_FLAGS, _cpu_isa_flags, capture_environment, describe_environment
+from dspark_hf.benchmarks.environment import ISA_FLAGS, capture_environment, describe_environment
+from dspark_hf.kernels.cpu_identity import cpu_isa_flags
 
 
 def test_isa_flags_are_read_from_cpuinfo_in_a_fixed_order(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: fpu sse amx_bf16 avx2 avx512f avx512_bf16 amx_tile xyz\n")
-    assert _cpu_isa_flags(str(cpuinfo)) == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
-    assert _cpu_isa_flags(str(tmp_path / "missing")) is None
+    assert cpu_isa_flags(str(cpuinfo)) == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert cpu_isa_flags(str(tmp_path / "missing")) is None
 
 
 def test_environment_records_cpu_flags_and_describes_them():

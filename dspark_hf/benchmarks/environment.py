@@ -13,30 +13,7 @@ import time
 
 import torch
 
-
-def _cpu_model() -> str | None:
-    """The CPU's marketing name from ``/proc/cpuinfo`` (Linux), else ``None``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
-# The instruction-set extensions that decide which CPU kernels run (fp32 AVX2/AVX-512, bf16/fp16 dot
-# products, AMX tiles): two machines with the same core count can differ by these alone.
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
-             "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
-
-
-def _cpu_isa_flags(cpuinfo_path: str = "/proc/cpuinfo") -> list[str] | None:
-    """The :data:`ISA_FLAGS` this CPU reports in ``/proc/cpuinfo`` (Linux), else ``None``."""
-    try:
-        with open(cpuinfo_path, encoding="utf-8") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), None)
-    except OSError:
-        return None
-    return None if flags is None else [flag for flag in ISA_FLAGS if flag in flags]
+from ..kernels.cpu_identity import ISA_FLAGS, cpu_isa_flags, cpu_model
 
 
 def _torch_cpu_capability() -> str | None:
@@ -58,8 +35,8 @@ def capture_environment() -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": platform.machine(),
         "processor": platform.processor() or None,
-        "cpu_model": _cpu_model(),
-        "cpu_isa_flags": _cpu_isa_flags(),
+        "cpu_model": cpu_model(),
+        "cpu_isa_flags": cpu_isa_flags(),
         "torch_cpu_capability": _torch_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -80,4 +57,4 @@ def describe_environment(env: dict) -> str:
             f"torch {env['torch']}, transformers {env['transformers']}.")
 
 
-__all__ = ["capture_environment", "describe_environment"]
+__all__ = ["ISA_FLAGS", "capture_environment", "describe_environment"]

@@ -34,7 +34,8 @@ tensor's identity and version counter and packs it again.
 
 Cost: one extra copy of every packed weight (for SmolLM2-135M about 540 MB next to the model's
 540 MB; twice the weight's own size for oneDNN's float32 copy of half-precision weights) and the
-packing and timing at prepare time, both logged.
+packing and timing at prepare time, both logged. The timing is done once per machine: its outcome
+is kept on disk (:mod:`dspark_hf.kernels.kernel_choices`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
-from . import cpu_row_block
+from . import cpu_row_block, kernel_choices
 from .cpu_attention import use_cpu_gqa_attention
 from .cpu_decoder import use_lean_decoder
 from .cpu_invariant import use_batch_invariant_verify
@@ -189,6 +190,10 @@ def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKE
     key = (weight.shape[0], weight.shape[1], torch.get_num_threads(), weight.dtype, tuple(candidates))
     if key in _measured_choices:
         return _measured_choices[key]
+    stored = kernel_choices.load_choice(key)
+    if stored is not None:
+        _measured_choices[key] = stored
+        return stored
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(weight.shape, generator=generator).to(weight.dtype)
     copies = max(1, min(_MAX_PROBE_COPIES, math.ceil(_PROBE_BYTES / (probe.numel() * probe.element_size()))))
@@ -233,6 +238,7 @@ def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKE
             choices.append((cost, kernel, min_rows))
     _, kernel, min_rows = min(choices, key=lambda choice: choice[0])  # a tie keeps the earlier (oneDNN)
     _measured_choices[key] = (kernel, min_rows)
+    kernel_choices.store_choice(key, (kernel, min_rows))
     return kernel, min_rows
 
 
@@ -474,7 +480,8 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
         len(packable), made / 2**20, time.perf_counter() - start,
     )
     if choices:
-        logger.info("optimize_for_cpu: packed kernel and the input rows it is used from, per weight shape: %s.",
+        logger.info("optimize_for_cpu: packed kernel and the input rows it is used from, per weight shape "
+                    "(timed once per machine, cached in %s): %s.", kernel_choices.choices_path(),
                     ", ".join(f"{o}x{i} {str(d).removeprefix('torch.')}: {k} from {r}"
                               for (o, i, d), (k, r) in sorted(choices.items(), key=str)))
     for reason, names in skipped.items():

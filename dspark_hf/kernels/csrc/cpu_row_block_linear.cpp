@@ -1,11 +1,11 @@
-// A small-batch linear kernel for x86 CPUs with AVX2 + FMA (+ F16C), built by dspark_hf/kernels/cpu_gemm.py.
+// A small-batch linear kernel for x86 CPUs with AVX2 + FMA (+ F16C), built by dspark_hf/kernels/cpu_row_block.py.
 //
 // Decoding runs 1 to ~16 input rows through every weight matrix once per step, so the step streams
 // the weights from memory and should cost about the same for 1 row as for 8. The weight is stored in
 // column blocks of 16 outputs, [N/16][K][16], in its own dtype (float32, bfloat16 or float16, widened
-// to float32 in registers), and every block is read once for up to 12 input rows: up to 6 rows keep
-// 2 x 6 accumulators for the whole block, 7 to 12 rows go over the block's two 8-column halves (the
-// second half comes from cache). Threads split the column blocks.
+// to float32 in registers). A group of up to 6 rows keeps 2 x 6 accumulators in registers; more rows
+// take turns on each short k-span of the block while it sits in L1, so every weight is read from
+// memory once per call at an even pace. Threads split the column blocks.
 //
 // Every output is one float32 fused multiply-add chain over k = 0 .. K-1 in order, whatever the
 // number of rows, so a row's result does not depend on the other rows of the batch: a verify
@@ -17,10 +17,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 16;
+constexpr int64_t kSpan = 32;
 
 #define DSPARK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define DSPARK_INLINE inline __attribute__((always_inline))
@@ -37,22 +39,15 @@ template <> DSPARK_INLINE DSPARK_AVX2 __m256 load8<Half>(const Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-DSPARK_INLINE DSPARK_AVX2 void store8(float* y, __m256 value, int64_t columns) {
-  if (columns >= 8) {
-    _mm256_storeu_ps(y, value);
-    return;
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, value);
-  for (int64_t c = 0; c < columns; ++c) y[c] = lanes[c];
-}
-
-// R <= 6 rows x one whole 16-column block.
+// R <= 6 rows x one 16-column block over k in [k_begin, k_end): the 2 x R accumulators start from and
+// return to acc[R][16], so a block can be walked in k-spans without changing any output's FMA chain.
 template <typename W, int R>
-DSPARK_AVX2 void whole_block(const float* x, int64_t K, const W* block, float* y, int64_t ldy, int64_t columns) {
-  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0,
-         a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
-  for (int64_t k = 0; k < K; ++k) {
+DSPARK_AVX2 void block_span(const float* x, int64_t K, const W* block, int64_t k_begin, int64_t k_end, float* acc) {
+  __m256 a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5;
+#define DSPARK_IN(i) if constexpr (R > i) { a##i = _mm256_loadu_ps(acc + i * kBlock); b##i = _mm256_loadu_ps(acc + i * kBlock + 8); }
+  DSPARK_IN(0) DSPARK_IN(1) DSPARK_IN(2) DSPARK_IN(3) DSPARK_IN(4) DSPARK_IN(5)
+#undef DSPARK_IN
+  for (int64_t k = k_begin; k < k_end; ++k) {
     const __m256 w_low = load8<W>(block + k * kBlock);
     const __m256 w_high = load8<W>(block + k * kBlock + 8);
     __m256 xk;
@@ -61,53 +56,42 @@ DSPARK_AVX2 void whole_block(const float* x, int64_t K, const W* block, float* y
     DSPARK_ROW(0) DSPARK_ROW(1) DSPARK_ROW(2) DSPARK_ROW(3) DSPARK_ROW(4) DSPARK_ROW(5)
 #undef DSPARK_ROW
   }
-#define DSPARK_OUT(i) if constexpr (R > i) { store8(y + i * ldy, a##i, columns); \
-    if (columns > 8) store8(y + i * ldy + 8, b##i, columns - 8); }
+#define DSPARK_OUT(i) if constexpr (R > i) { _mm256_storeu_ps(acc + i * kBlock, a##i); _mm256_storeu_ps(acc + i * kBlock + 8, b##i); }
   DSPARK_OUT(0) DSPARK_OUT(1) DSPARK_OUT(2) DSPARK_OUT(3) DSPARK_OUT(4) DSPARK_OUT(5)
 #undef DSPARK_OUT
 }
 
-// 7 <= R <= 12 rows x one 16-column block, one 8-column half at a time (12 accumulators fit the 16 registers).
-template <typename W, int R>
-DSPARK_AVX2 void half_blocks(const float* x, int64_t K, const W* block, float* y, int64_t ldy, int64_t columns) {
-  for (int64_t half = 0; half < 2 && half * 8 < columns; ++half) {
-    const W* weights = block + half * 8;
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0,
-           c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
-    for (int64_t k = 0; k < K; ++k) {
-      const __m256 w = load8<W>(weights + k * kBlock);
-#define DSPARK_ROW(i) if constexpr (R > i) { c##i = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * K + k), w, c##i); }
-      DSPARK_ROW(0) DSPARK_ROW(1) DSPARK_ROW(2) DSPARK_ROW(3) DSPARK_ROW(4) DSPARK_ROW(5)
-      DSPARK_ROW(6) DSPARK_ROW(7) DSPARK_ROW(8) DSPARK_ROW(9) DSPARK_ROW(10) DSPARK_ROW(11)
-#undef DSPARK_ROW
-    }
-    const int64_t half_columns = std::min<int64_t>(8, columns - half * 8);
-#define DSPARK_OUT(i) if constexpr (R > i) { store8(y + i * ldy + half * 8, c##i, half_columns); }
-    DSPARK_OUT(0) DSPARK_OUT(1) DSPARK_OUT(2) DSPARK_OUT(3) DSPARK_OUT(4) DSPARK_OUT(5)
-    DSPARK_OUT(6) DSPARK_OUT(7) DSPARK_OUT(8) DSPARK_OUT(9) DSPARK_OUT(10) DSPARK_OUT(11)
-#undef DSPARK_OUT
-  }
-}
-
+// All rows x one block. Rows go in groups of at most 6, of balanced size (8 rows: 4 + 4). With more
+// than one group the block is walked in spans of kSpan k-steps and every group takes its turn on a span
+// while it is in L1, so the weights stream from memory at an even pace as the rows are computed.
 template <typename W>
-void rows_of_block(const float* x, int64_t rows, int64_t K, const W* block, float* y, int64_t N, int64_t columns) {
-  using Kernel = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t);
-  static constexpr Kernel kernels[13] = {
-      nullptr, whole_block<W, 1>, whole_block<W, 2>, whole_block<W, 3>, whole_block<W, 4>, whole_block<W, 5>,
-      whole_block<W, 6>, half_blocks<W, 7>, half_blocks<W, 8>, half_blocks<W, 9>, half_blocks<W, 10>,
-      half_blocks<W, 11>, half_blocks<W, 12>};
-  for (int64_t first = 0; first < rows; first += 12) {
-    const int64_t count = std::min<int64_t>(12, rows - first);
-    kernels[count](x + first * K, K, block, y + first * N, N, columns);
+void rows_of_block(const float* x, int64_t rows, int64_t K, const W* block, float* y, int64_t N, int64_t columns,
+                   float* acc) {
+  using Kernel = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*);
+  static constexpr Kernel kernels[7] = {nullptr, block_span<W, 1>, block_span<W, 2>, block_span<W, 3>,
+                                        block_span<W, 4>, block_span<W, 5>, block_span<W, 6>};
+  std::fill(acc, acc + rows * kBlock, 0.0f);
+  const int64_t groups = (rows + 5) / 6;
+  const int64_t span = groups == 1 ? K : kSpan;
+  for (int64_t k = 0; k < K; k += span) {
+    const int64_t k_end = std::min<int64_t>(K, k + span);
+    for (int64_t group = 0, first = 0; group < groups; ++group) {
+      const int64_t count = (rows - first) / (groups - group);
+      kernels[count](x + first * K, K, block, k, k_end, acc + first * kBlock);
+      first += count;
+    }
   }
+  for (int64_t r = 0; r < rows; ++r) std::copy(acc + r * kBlock, acc + r * kBlock + columns, y + r * N);
 }
 
 template <typename W>
 void run(const float* x, int64_t rows, int64_t K, const W* packed, int64_t N, float* y) {
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(rows * kBlock);
     for (int64_t b = begin; b < end; ++b) {
-      rows_of_block<W>(x, rows, K, packed + b * K * kBlock, y + b * kBlock, N, std::min<int64_t>(kBlock, N - b * kBlock));
+      rows_of_block<W>(x, rows, K, packed + b * K * kBlock, y + b * kBlock, N, std::min<int64_t>(kBlock, N - b * kBlock),
+                       acc.data());
     }
   });
 }

@@ -1,0 +1,34 @@
+"""What this CPU is, as far as kernel speed goes: its model name and the vector extensions it has.
+
+Shared by the benchmarks' environment record and the disk cache of kernel choices, which must not
+reuse a choice measured on another processor.
+"""
+
+from __future__ import annotations
+
+# The instruction-set extensions that decide which CPU kernels run (fp32 AVX2/AVX-512, bf16/fp16 dot
+# products, AMX tiles): two machines with the same core count can differ by these alone.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+
+
+def cpu_model(cpuinfo_path: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's marketing name from ``/proc/cpuinfo`` (Linux), else ``None``."""
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def cpu_isa_flags(cpuinfo_path: str = "/proc/cpuinfo") -> list[str] | None:
+    """The :data:`ISA_FLAGS` this CPU reports in ``/proc/cpuinfo`` (Linux), else ``None``."""
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else [flag for flag in ISA_FLAGS if flag in flags]
+
+
+__all__ = ["ISA_FLAGS", "cpu_isa_flags", "cpu_model"]

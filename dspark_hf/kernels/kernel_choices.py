@@ -1,0 +1,89 @@
+"""A disk cache of the packed-kernel choices :func:`~dspark_hf.kernels.cpu_fast_path.measure_packed_kernel` makes.
+
+Timing every weight shape against every kernel takes most of ``optimize_for_cpu``'s time (SmolLM2:
+14-21 s on a 2-core Zen 3, where packing alone takes 1-2 s). The choice depends on the processor,
+the torch build, the thread count and the kernels' code, not on the weights' values, so it is kept
+in ``<cache>/kernel_choices/<environment>.json`` (``<cache>``: :func:`dspark_hf.cache_dir.default_cache_dir`)
+and a later process on the same machine reads it instead of timing again. The file name is a digest
+of the CPU model and instruction-set flags, torch's version and CPU capability, and the source of
+the measuring code and of the row-block kernel: any of them changing starts a new file. Delete the
+folder to measure again. A file that cannot be read or written is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+from ..cache_dir import default_cache_dir
+from .cpu_identity import cpu_isa_flags, cpu_model
+
+logger = logging.get_logger(__name__)
+
+_KERNEL_FILES = ("cpu_fast_path.py", "csrc/cpu_row_block_linear.cpp")
+
+
+def _environment() -> dict:
+    here = Path(__file__).resolve().parent
+    code = hashlib.sha256(b"".join((here / name).read_bytes() for name in _KERNEL_FILES)).hexdigest()[:16]
+    return {"cpu_model": cpu_model(), "cpu_isa_flags": cpu_isa_flags(), "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_code": code}
+
+
+def choices_path() -> Path:
+    """The file that holds the choices measured in this environment."""
+    digest = hashlib.sha256(json.dumps(_environment(), sort_keys=True).encode()).hexdigest()[:16]
+    return default_cache_dir() / "kernel_choices" / f"{digest}.json"
+
+
+def _entry_name(key: tuple) -> str:
+    out_features, in_features, threads, dtype, candidates = key
+    return f"{out_features}x{in_features}-{str(dtype).removeprefix('torch.')}-threads{threads}-{'+'.join(candidates)}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        choices = record["choices"]
+        if not isinstance(choices, dict):
+            raise ValueError("'choices' is not a mapping")
+        return choices
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.warning("Ignoring the kernel-choice cache %s (%s); the kernels will be timed again.", path, error)
+        return {}
+
+
+def load_choice(key: tuple) -> tuple[str, int] | None:
+    """The stored ``(kernel, min_rows)`` for ``key`` (out, in, threads, dtype, candidates), if there is a valid one."""
+    value = _read(choices_path()).get(_entry_name(key))
+    if (isinstance(value, list) and len(value) == 2 and value[0] in key[4] and isinstance(value[1], int)
+            and value[1] >= 1):
+        return value[0], value[1]
+    return None
+
+
+def store_choice(key: tuple, choice: tuple[str, int]) -> None:
+    """Adds ``choice`` for ``key`` to the file (written whole and atomically; concurrent writers may drop an entry,
+    which is then measured again)."""
+    path = choices_path()
+    choices = _read(path)
+    choices[_entry_name(key)] = list(choice)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump({"environment": _environment(), "choices": choices}, f, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except OSError as error:
+        logger.warning("Could not write the kernel-choice cache %s (%s).", path, error)
+
+
+__all__ = ["choices_path", "load_choice", "store_choice"]
