@@ -226,3 +226,24 @@ def test_a_batched_profile_runs_rows_on_their_own_contexts_and_is_keyed_apart(mo
     assert (tmp_path / "sps" / f"{sps_cache_key(target, 9, rows=3)}.json").is_file()
     with pytest.raises(ValueError, match="one token per row"):
         profile_sps(target, 2, rows=3, cache_dir=tmp_path, progress=False)
+
+
+def test_the_profile_key_names_the_cpu_and_the_prepared_models_kernel_code(monkeypatch):
+    import dspark_hf.scheduling.step_rates as step_rates
+    from dspark_hf import optimize_for_cpu
+
+    target, _ = _pair()
+    key = sps_cache_key(target, 8)
+    monkeypatch.setattr(step_rates, "cpu_model", lambda: "Another CPU")
+    assert sps_cache_key(target, 8) != key  # a profile from another processor is not reused
+    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "first")
+    stock_key = sps_cache_key(target, 8)
+    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "second")
+    assert sps_cache_key(target, 8) == stock_key  # a stock model's profile does not depend on the kernels
+    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "first")
+    prepared = optimize_for_cpu(target, packed_min_rows=1)
+    if not step_rates.is_optimized_for_cpu(prepared):
+        pytest.skip("the CPU fast path does not run here")
+    prepared_key = sps_cache_key(prepared, 8)
+    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "second")
+    assert sps_cache_key(prepared, 8) != prepared_key

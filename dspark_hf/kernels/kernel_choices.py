@@ -28,11 +28,16 @@ logger = logging.get_logger(__name__)
 _KERNEL_FILES = ("cpu_fast_path.py", "csrc/cpu_row_block_linear.cpp")
 
 
-def _environment() -> dict:
+def kernel_code_digest() -> str:
+    """A digest of the code that chooses and runs the packed kernels: a step-rate profile or a kernel
+    choice taken with other code is not reused."""
     here = Path(__file__).resolve().parent
-    code = hashlib.sha256(b"".join((here / name).read_bytes() for name in _KERNEL_FILES)).hexdigest()[:16]
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in _KERNEL_FILES)).hexdigest()[:16]
+
+
+def _environment() -> dict:
     return {"cpu_model": cpu_model(), "cpu_isa_flags": cpu_isa_flags(), "torch": torch.__version__,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_code": code}
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_code": kernel_code_digest()}
 
 
 def choices_path() -> Path:
@@ -86,4 +91,4 @@ def store_choice(key: tuple, choice: tuple[str, int]) -> None:
         logger.warning("Could not write the kernel-choice cache %s (%s).", path, error)
 
 
-__all__ = ["choices_path", "load_choice", "store_choice"]
+__all__ = ["choices_path", "kernel_code_digest", "load_choice", "store_choice"]
