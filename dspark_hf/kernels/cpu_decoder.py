@@ -28,6 +28,7 @@ after replacing one of its submodules, call :func:`remove_lean_decoder` and prep
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 
 import torch
@@ -222,7 +223,8 @@ def _lean_forward(base: nn.Module, *args, **kwargs) -> BaseModelOutputWithPast:
     collected = [] if selected is not False else None
     if collected is not None:
         collected.append(hidden_states if selected is None or 0 in selected else None)
-    for index, layer in enumerate(base.layers[: base.config.num_hidden_layers]):
+    # islice, not base.layers[:n]: slicing a ModuleList builds a new one (130 us for SmolLM2's 30 layers).
+    for index, layer in enumerate(itertools.islice(base.layers, base.config.num_hidden_layers)):
         parts = layer._modules
         residual = hidden_states
         hidden_states = _norm(plan, parts["input_layernorm"], hidden_states)
