@@ -263,6 +263,17 @@ def test_kernel_choices_are_kept_on_disk_per_environment(monkeypatch, fresh_choi
     assert kernel_choices.load_choice(key) is None
 
 
+def test_an_unwritable_kernel_choice_cache_warns_once(monkeypatch, tmp_path, fresh_choices, caplog):
+    blocker = tmp_path / "not a folder"
+    blocker.write_text("")
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(blocker))  # kernel_choices/ cannot be made under a file
+    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: 1.0)
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.kernels.kernel_choices"):
+        fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",))
+        fast_path.measure_packed_kernel(torch.randn(48, 24), ("onednn",))
+    assert caplog.text.count("Could not write the kernel-choice cache") == 1
+
+
 def test_bad_packed_min_rows_is_refused():
     with pytest.raises(ValueError, match="packed_min_rows"):
         optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(4, 4)), packed_min_rows=0)

@@ -26,6 +26,7 @@ from .cpu_identity import cpu_isa_flags, cpu_model
 logger = logging.get_logger(__name__)
 
 _KERNEL_FILES = ("cpu_fast_path.py", "csrc/cpu_row_block_linear.cpp")
+_unwritable: set[Path] = set()
 
 
 def kernel_code_digest() -> str:
@@ -88,7 +89,10 @@ def store_choice(key: tuple, choice: tuple[str, int]) -> None:
             json.dump({"environment": _environment(), "choices": choices}, f, indent=1, sort_keys=True)
         os.replace(temporary, path)
     except OSError as error:
-        logger.warning("Could not write the kernel-choice cache %s (%s).", path, error)
+        if path not in _unwritable:  # once per file: a read-only cache would otherwise warn for every shape
+            _unwritable.add(path)
+            logger.warning("Could not write the kernel-choice cache %s (%s); choices are timed again in each "
+                           "process.", path, error)
 
 
 __all__ = ["choices_path", "kernel_code_digest", "load_choice", "store_choice"]
