@@ -7,8 +7,8 @@
     python benchmarks/verify_cost.py --compare-onednn --sizes 1 2 4 8 16     # prepared with oneDNN's kernel only
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
 
-Both models run in one process, interleaved size by size and round by round (the machine's drift
-hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared are printed.
+Both models run in one process, interleaved size by size and round by round, in reverse order every
+other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared are printed.
 
 ``--compile`` adds a third model, the trial of compiling the step's small ops away: the stock model
 with the CPU grouped-query attention and ``torch.compile(..., dynamic=True)`` on each decoder
@@ -118,10 +118,12 @@ def main(argv=None) -> dict:
             steppers["compiled"](b)
         compile_seconds = time.perf_counter() - start
     samples = {name: {b: [] for b in args.sizes} for name in steppers}
+    names = list(steppers)
     for round_index in range(args.repeats + 1):  # round 0 warms up
         for b in args.sizes:
-            for name, step in steppers.items():
-                elapsed = step(b)
+            # Every other round in reverse, so no model is always timed right after the same other one.
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                elapsed = steppers[name](b)
                 if round_index:
                     samples[name][b].append(elapsed)
     medians = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in samples.items()}

@@ -21,10 +21,10 @@ for bit, else the switch is undone and ``ValueError`` says so.
 
 Cost: k attention calls per layer instead of one for a k-token verify, and the row-block kernel
 even where another kernel would be faster. SmolLM2 at a 256-token context on an AVX2 Zen 3
-(``benchmarks/verify_cost.py --compare-invariant``): a verify of 2 / 4 / 8 tokens took 1.06 / 1.17 /
-1.27x as long in bf16 and 1.06 / 1.17 / 1.48x in fp32 (where the one-token attention call is slower
-and the two already agree within rounding); one-token steps 1.00x (bf16) and 1.08x (fp32). The
-prompt's prefill runs as before (it is the same forward with and without a draft).
+(``benchmarks/verify_cost.py --compare-invariant``): a verify of 2 / 4 / 8 / 16 tokens took 1.06 /
+1.18 / 1.35 / 1.50x as long in bf16 and 1.06 / 1.16 / 1.28 / 1.52x in fp32 (where the two already agree
+within rounding); one-token steps cost the same. The prompt's prefill runs as before (it is the same
+forward with and without a draft).
 """
 
 from __future__ import annotations
