@@ -6,12 +6,15 @@ reuse a choice measured on another processor.
 
 from __future__ import annotations
 
+import functools
+
 # The instruction-set extensions that decide which CPU kernels run (fp32 AVX2/AVX-512, bf16/fp16 dot
 # products, AMX tiles): two machines with the same core count can differ by these alone.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
              "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
 
 
+@functools.cache  # read on every step-rate profile lookup; the CPU does not change while the process runs
 def cpu_model(cpuinfo_path: str = "/proc/cpuinfo") -> str | None:
     """The CPU's marketing name from ``/proc/cpuinfo`` (Linux), else ``None``."""
     try:

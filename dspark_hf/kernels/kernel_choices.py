@@ -12,6 +12,7 @@ folder to measure again. A file that cannot be read or written is logged and ign
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ _KERNEL_FILES = ("cpu_fast_path.py", "csrc/cpu_row_block_linear.cpp")
 _unwritable: set[Path] = set()
 
 
+@functools.cache  # the files do not change while the process runs
 def kernel_code_digest() -> str:
     """A digest of the code that chooses and runs the packed kernels: a step-rate profile or a kernel
     choice taken with other code is not reused."""
