@@ -38,10 +38,10 @@ def main() -> None:
     parser.add_argument("--baseline-source", help="another cpu_row_block_linear.cpp to time beside the current one")
     args = parser.parse_args()
 
-    cpu_row_block.load_kernel()
-    problem = cpu_row_block.row_block_unavailable_reason()
-    if problem is not None:
-        raise SystemExit(f"The row-block kernel cannot run here: {problem}.")
+    try:
+        cpu_row_block.load_kernel()
+    except RuntimeError as error:  # names why (no AVX2, no compiler or ninja, a failed probe)
+        raise SystemExit(str(error)) from error
     kernels = {"current": cpu_row_block.row_block_linear}
     if args.baseline_source:
         module = cpp_extension.load(name="dspark_hf_row_block_baseline", sources=[args.baseline_source],

@@ -8,7 +8,8 @@
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
-other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and stock/prepared are printed.
+other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and
+stock/prepared are printed.
 
 ``--compile`` adds a third model, the trial of compiling the step's small ops away: the stock model
 with the CPU grouped-query attention and ``torch.compile(..., dynamic=True)`` on each decoder

@@ -22,8 +22,9 @@ Two packed kernels compete:
   ``..._fp16_supported()``: avx512-bf16 or AMX kernels), else as float32 copies, with their own probe.
 * the row-block kernel (:mod:`dspark_hf.kernels.cpu_row_block`): compiled on first use for x86 CPUs
   with AVX2; weights in 16-column blocks in their own dtype, no fixed per-call cost, and a row's
-  result independent of its batch. On the AVX2-only Zen 3 SmolLM2's fp32 one-token step ran 1.55x
-  faster with it than with oneDNN's kernel (bf16 1.32x, without a float32 copy of the weights).
+  result independent of its batch. On the AVX2-only Zen 3 SmolLM2's fp32 one-token step ran 1.30-1.55x
+  faster with it than with oneDNN's kernel in two runs (bf16 1.12-1.32x, without a float32 copy of
+  the weights; ``benchmarks/verify_cost.py --compare-onednn``).
 
 What stays the same: parameters (the packed copy is a plain attribute, not a parameter or buffer,
 so ``state_dict``/``save_pretrained`` write the ordinary weights), tied weights (the embedding

@@ -1,13 +1,14 @@
 """A disk cache of the packed-kernel choices :func:`~dspark_hf.kernels.cpu_fast_path.measure_packed_kernel` makes.
 
-Timing every weight shape against every kernel takes most of ``optimize_for_cpu``'s time (SmolLM2:
-14-21 s on a 2-core Zen 3, where packing alone takes 1-2 s). The choice depends on the processor,
-the torch build, the thread count and the kernels' code, not on the weights' values, so it is kept
-in ``<cache>/kernel_choices/<environment>.json`` (``<cache>``: :func:`dspark_hf.cache_dir.default_cache_dir`)
-and a later process on the same machine reads it instead of timing again. The file name is a digest
-of the CPU model and instruction-set flags, torch's version and CPU capability, and the source of
-the measuring code and of the row-block kernel: any of them changing starts a new file. Delete the
-folder to measure again. A file that cannot be read or written is logged and ignored.
+Timing every weight shape against every kernel takes most of ``optimize_for_cpu``'s time (SmolLM2
+on a 2-core Zen 3: 14-18 s the first time, 0.4-0.7 s in a later process that reads the choices
+from here). The choice depends on the processor, the torch build, the thread count and the kernels'
+code, not on the weights' values, so it is kept in ``<cache>/kernel_choices/<environment>.json``
+(``<cache>``: :func:`dspark_hf.cache_dir.default_cache_dir`) and a later process on the same machine
+reads it instead of timing again. The file name is a digest of the CPU model and instruction-set
+flags, torch's version and CPU capability, and the source of the measuring code and of the
+row-block kernel: any of them changing starts a new file. Delete the folder to measure again. A
+file that cannot be read or written is logged and ignored.
 """
 
 from __future__ import annotations
