@@ -165,6 +165,44 @@ def test_greedy_generation_with_a_reduced_draft_equals_the_target():
     assert accepted > 0  # the draft was used, and its tokens accepted
 
 
+@pytest.mark.parametrize("markov", [True, False])
+def test_greedy_loop_over_the_draft_columns_equals_the_whole_vocabulary_loop(markov):
+    # Greedy without processors the loop draws over the N draft columns (greedy_vocab_ids); handed
+    # whole-vocabulary logits it draws over V. Tokens and logits must agree, ties included: the
+    # base logits are rounded to whole numbers so most rows tie, and the first maximum wins in
+    # target-id order only if the columns map back in order.
+    target = _target()
+    draft = _reduced_draft(target)
+    if not markov:  # (the confidence head reads the Markov head's W1)
+        draft.markov_head = draft.confidence_head = None
+    draft.bind_target(target)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 4, 32, generator=gen)
+    anchors = torch.tensor([1, 2, 40])
+    columns = torch.randint(-2, 3, (3, 4, len(IDS)), generator=gen).float()  # N-wide, full of ties
+    whole = scatter_to_vocab(columns, torch.tensor(IDS), V, float("-inf"))
+    ties = (columns == columns.amax(-1, keepdim=True)).sum(-1)
+    assert (ties > 1).float().mean() > 0.5
+    offers = []
+    with torch.no_grad():
+        narrow = serial_sample(draft, columns, hidden, anchors, do_sample=False)
+        wide = serial_sample(draft, whole, hidden, anchors, do_sample=False)
+        assert torch.equal(narrow.tokens, wide.tokens) and torch.equal(narrow.logits, wide.logits)
+        assert set(narrow.tokens.flatten().tolist()) <= set(IDS)
+        if not markov:  # the loop draws the first maximum of each row, in target-id order
+            assert torch.equal(narrow.tokens, whole.argmax(-1))
+        # One request through the admitted loop (LM head run inside it, over the N columns) against
+        # the same loop drawing whole-vocabulary rows (draft.base_logits passed in).
+        admitted = serial_sample(draft, None, hidden[:1], anchors[:1], do_sample=False,
+                                 admission=lambda c: offers.append(c) or len(offers) <= 3)
+        offers.clear()
+        reference = serial_sample(draft, draft.base_logits(hidden[:1]), hidden[:1], anchors[:1], do_sample=False,
+                                  admission=lambda c: offers.append(c) or len(offers) <= 3)
+    assert admitted.num_admitted == reference.num_admitted == 3
+    assert torch.equal(admitted.tokens, reference.tokens) and torch.equal(admitted.logits, reference.logits)
+    assert admitted.logits.shape[-1] == V
+
+
 def test_reduced_head_runs_packed_when_the_target_is_prepared_for_cpu():
     # Without this the N gathered rows take the stock multi-row CPU kernel and a reduced draft is
     # slower per round than a full-vocabulary one on a prepared target.

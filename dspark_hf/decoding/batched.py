@@ -350,7 +350,8 @@ class BatchedDSparkGeneration:
         plan.draft_rows = torch.tensor(wanting, device=self.device)
         hidden = (block.hidden_states if len(wanting) == active
                   else block.hidden_states[plan.draft_rows.to(block.hidden_states.device)])
-        base_logits = self.draft.base_logits(hidden)
+        # N columns for a reduced draft vocabulary: serial_sample scatters them only where it draws over V.
+        base_logits = self.draft.draft_vocab_logits(hidden).to(hidden.device)
         anchors = plan.anchors[plan.draft_rows]
         t1 = time.perf_counter()
         plan.sample = serial_sample(self.draft, base_logits, hidden, anchors, do_sample=self.do_sample,

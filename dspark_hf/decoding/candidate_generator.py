@@ -96,6 +96,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.draft_row = torch.zeros(1, dtype=torch.long)  # the one row that drafts (RoundPlan.draft_rows)
         self.plan: RoundPlan | None = None  # the round in flight, recorded by update_candidate_strategy
         self._prompt_has_padding = False
+        self._collected = 0  # positions whose target features are in the draft cache or pending
+        self._pending_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._prefill_start: float | None = None
         self._embeds_offset = 0
 
@@ -108,10 +110,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return max(self.rounds.max_draft_tokens, self.rounds.lookup_max_tokens)
 
     @torch.no_grad()
-    def _ingest_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
-        """Adds the target hidden states of tokens the target processed since the last round."""
+    def _collect_context(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs) -> None:
+        """Keeps the target hidden states of tokens the target processed since the last round.
+
+        They enter the draft's context cache when it drafts next (:meth:`_update_draft_context`, one
+        call for all of them), so a round that drafts nothing (a plain step, a lookup copy) makes no
+        draft call: 0.9 ms per round for SmolLM2's draft, about 3% of a one-token step, on a 2-core EPYC.
+        """
         cur_len = input_ids.shape[1] + self._embeds_offset  # positions the target has seen, prompt embeds included
-        num_new = cur_len - 1 - self.cache.length
+        start = self._collected
+        num_new = cur_len - 1 - start
         if num_new <= 0:
             return
         hidden_states = getattr(model_outputs, "hidden_states", None)
@@ -124,7 +132,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if any(h is None or h.shape[1] < num_new for h in selected):
             raise RuntimeError("Target hidden states do not cover the accepted tokens; transformers' loop changed.")
         features = torch.cat([h[:, :num_new].to(self.device) for h in selected], dim=-1)
-        start = self.cache.length
         attention_mask = model_kwargs.get("attention_mask")
         if start == 0:  # padding can only sit in the prompt, so check it once
             self._prompt_has_padding = attention_mask is not None and not bool(attention_mask.all())
@@ -135,8 +142,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
             key_mask = mask[:, start:].bool()
         else:
             positions = torch.arange(start, cur_len - 1, device=self.device).unsqueeze(0)
-        self.draft.add_context(self.cache, features, positions, key_mask)
+        self._pending_context.append((features, positions, key_mask))
+        self._collected = cur_len - 1
         self._next_position = positions[:, -1:] + 1
+
+    def _update_draft_context(self) -> None:
+        """Adds the collected target hidden states to the draft's context cache, in one call."""
+        if not self._pending_context:
+            return
+        features, positions, key_masks = zip(*self._pending_context)
+        self._pending_context = []
+        key_mask = None if key_masks[0] is None else torch.cat(key_masks, dim=1)
+        self.draft.add_context(self.cache, torch.cat(features, dim=1), torch.cat(positions, dim=1), key_mask)
 
     @torch.no_grad()
     def get_candidates(
@@ -161,7 +178,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._prefill_start is not None:
             self.stats.prefill_time = plan.round_start - self._prefill_start
             self._prefill_start = None
-        self._ingest_context(input_ids, model_kwargs or {}, model_outputs)
+        self._collect_context(input_ids, model_kwargs or {}, model_outputs)
         if self.chooser is not None:
             self.rounds.choose_sources(plan, [self.chooser], [input_ids[0]])
         if plan.lookups:  # the draft forward is skipped; a lookup copy goes with no logits (a deterministic draft)
@@ -178,6 +195,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """Draft forward and serial sampling (interleaved with an incremental policy); the verified
         length is decided by :meth:`RoundDecisions.admit`."""
         t0 = time.perf_counter()
+        self._update_draft_context()  # part of what drafting costs (plain rounds no longer pay it)
         anchor = input_ids[:, -1]
         self.block_ids[:, 0] = anchor.to(self.device)
         # With incremental admission the LM head runs only once a position is admitted.
