@@ -193,6 +193,50 @@ def test_greedy_identical_when_the_gate_skips_drafting(monkeypatch):
         assert 0.0 < stats.drafted_fraction < 1.0
 
 
+def _record_fed_positions(monkeypatch, draft) -> list[list[int]]:
+    fed = []
+    add_context = draft.add_context
+    monkeypatch.setattr(draft, "add_context", lambda cache, hidden, positions, key_mask=None:
+                        fed.append(positions[0].tolist()) or add_context(cache, hidden, positions, key_mask))
+    return fed
+
+
+def test_the_draft_is_fed_its_context_only_when_it_drafts(monkeypatch):
+    # Plain rounds keep the target's features; the next drafting round feeds them all in one call.
+    import dspark_hf.decoding.settings as settings
+
+    monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None, num_rows=1: AlternatingGate())
+    target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
+    fed = _record_fed_positions(monkeypatch, draft)
+    for prompt in _prompts(4, seed=5):
+        fed.clear()
+        got = target.generate(prompt, max_new_tokens=25, do_sample=False, assistant_model=draft, prompt_lookup_num_tokens=0)
+        assert got.tolist() == target.generate(prompt, max_new_tokens=25, do_sample=False).tolist()
+        drafted = [r for r in draft.last_generation_stats.rounds if r.drafted]
+        assert len(fed) == len(drafted) > 1
+        positions = [p for call in fed for p in call]
+        assert positions == list(range(len(positions)))  # every position once, in order
+        assert any(len(call) > 1 for call in fed[1:])  # a plain round's token waited for the next draft
+
+
+def test_features_waiting_for_the_draft_are_bounded(monkeypatch):
+    import dspark_hf.decoding.settings as settings
+    from dspark_hf.decoding.candidate_generator import MAX_PENDING_CONTEXT
+
+    never = AlternatingGate()
+    never.should_draft = lambda: False
+    monkeypatch.setattr(settings, "resolve_drafting_gate", lambda draft, policy, generation_config=None, num_rows=1: never)
+    target, draft = _target_and_draft("llama", confidence_logits=torch.linspace(-1, 4, VOCAB))
+    draft.generation_config.dspark_verify_policy = PrefixScheduler([1.0, 0.9, 0.85, 0.8, 0.78])
+    fed = _record_fed_positions(monkeypatch, draft)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    kwargs = dict(max_new_tokens=MAX_PENDING_CONTEXT + 20, min_new_tokens=MAX_PENDING_CONTEXT + 20, do_sample=False)
+    got = target.generate(prompt, assistant_model=draft, prompt_lookup_num_tokens=0, **kwargs)
+    assert got.tolist() == target.generate(prompt, **kwargs).tolist()
+    assert [len(call) for call in fed] == [MAX_PENDING_CONTEXT] and fed[0][0] == 0
+
+
 def test_adaptive_drafting_setting():
     from dspark_hf import DraftingGate, ThresholdPolicy
     from dspark_hf.decoding.settings import resolve_drafting_gate

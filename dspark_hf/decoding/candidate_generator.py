@@ -40,6 +40,11 @@ from .sampling import serial_sample
 from .settings import resolve_settings
 
 
+# Most target positions whose features wait for the draft's next run before they are fed anyway
+# (about 7 KB each for SmolLM2's draft in float32).
+MAX_PENDING_CONTEXT = 256
+
+
 class DSparkCandidateGenerator(CandidateGenerator):
     """Candidate generator for DSpark/DFlash drafts (``requires_model_outputs``).
 
@@ -145,6 +150,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._pending_context.append((features, positions, key_mask))
         self._collected = cur_len - 1
         self._next_position = positions[:, -1:] + 1
+        if self._collected - self.cache.length >= MAX_PENDING_CONTEXT:  # long runs of lookup copies: bound the memory
+            self._update_draft_context()
 
     def _update_draft_context(self) -> None:
         """Adds the collected target hidden states to the draft's context cache, in one call."""
