@@ -5,11 +5,13 @@ each target forward, verifies what it returns (greedy match or rejection samplin
 returned logits), crops the target cache, and calls :meth:`update_candidate_strategy` with the
 number of accepted tokens. One round here:
 
-1. ingest the target hidden states of tokens accepted since the last call into the draft's context;
+1. collect the target hidden states of tokens accepted since the last call (they wait until the
+   draft next runs, so a round that does not draft makes no draft call);
 2. with context lookup on, verify a lookup copy instead when its chooser values it above DSpark
    (no draft forward then);
 3. ask the drafting gate whether drafting has paid in recent rounds (if not: a plain target step);
-4. one draft forward over ``[x0, MASK * (gamma - 1)]``;
+4. feed the collected states to the draft's context cache in one call, then one draft forward over
+   ``[x0, MASK * (gamma - 1)]``;
 5. serial sampling (Markov bias, logits processors) interleaved with the verify policy, which
    sees ``c_k`` before ``x_k`` is drawn and ends the block at its first refusal (0 tokens allowed);
 6. return ``input_ids + x_1..x_keep`` and the logits those tokens were drawn from.
