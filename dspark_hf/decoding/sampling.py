@@ -120,8 +120,9 @@ def greedy_vocab_ids(draft: DSparkDraftModel, do_sample: bool,
     subset) is the argmax of its N columns mapped to target ids, ties included: ``draft_vocab_ids``
     is strictly increasing (checked at load), so the first maximum is the same token either way.
     Working on N columns skips two vocabulary-wide scatters and a vocabulary-wide argmax per
-    position (about 0.1 ms each position for SmolLM2, N = 16,384 of V = 49,152, on a 2-core EPYC);
-    the block's logits are scattered once at the end. Sampling keeps whole-vocabulary rows: its
+    position and scatters the block's logits once at the end: a 7-position block of the shipped
+    SmolLM2 draft (N = 16,384 of V = 49,152) took 3.4 instead of 4.3 ms in fp32 on a 2-core EPYC
+    (``benchmarks/round_overhead.py serial``). Sampling keeps whole-vocabulary rows: its
     softmax must be the very one transformers computes on the logits handed to it, and a softmax
     over N columns sums in another order (last-bit differences).
     """
