@@ -6,7 +6,8 @@ the weights costs, whatever the number of rows. oneDNN's packed kernel pays a fi
 bfloat16 instructions neither has a bfloat16 kernel, so a bfloat16 model falls back to a float32 copy
 of its weights (twice the bytes to stream). This kernel (``csrc/cpu_row_block_linear.cpp``) stores
 the weight once in 16-column blocks in its own dtype (float32, bfloat16 or float16, widened in
-registers) and reads each block once for up to 12 rows.
+registers) and reads each block from memory once, whatever the number of rows, prefetching ahead
+where the rows' multiply-adds would otherwise leave the memory idle.
 
 Each output is a single float32 fused multiply-add chain over the input features in order, whatever
 the number of rows: a row's result does not depend on the batch it is in. Against ``F.linear`` the
@@ -39,6 +40,7 @@ EXTENSION_NAME = "dspark_hf_cpu_row_block"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_row_block_linear.cpp"
 BLOCK = 16  # output columns per block: two AVX2 registers
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BFLOAT16_COLUMN_ORDER = torch.arange(BLOCK).view(2, BLOCK // 2).t().reshape(-1)  # 0, 8, 1, 9, ..., 7, 15
 _PROBE_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
 
 _lock = threading.Lock()
@@ -126,13 +128,18 @@ def supports_dtype(dtype: torch.dtype) -> bool:
 
 
 def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] as [ceil(N / 16), K, 16] in its own dtype (the last block zero-padded)."""
+    """``weight`` [N, K] as [ceil(N / 16), K, 16] in its own dtype (the last block zero-padded). In
+    bfloat16 each k's 16 columns are stored in the order 0, 8, 1, 9, ..., 7, 15, which the kernel
+    widens to float32 in three instructions."""
     weight = weight.detach()
     out_features, in_features = weight.shape
     blocks = -(-out_features // BLOCK)
     padded = weight.new_zeros(blocks * BLOCK, in_features)
     padded[:out_features] = weight
-    return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()
+    packed = padded.view(blocks, BLOCK, in_features).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        packed = packed[..., _BFLOAT16_COLUMN_ORDER]
+    return packed.contiguous()
 
 
 def runner(out_features: int):
