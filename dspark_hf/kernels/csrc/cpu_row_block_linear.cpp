@@ -10,9 +10,9 @@
 // memory once per call at an even pace. Threads split the column blocks.
 //
 // With several rows the FMAs take long enough that the hardware prefetcher alone leaves the memory
-// idle part of the time (8 rows of SmolLM2's fp32 linears: 24.8 ms against 18.5 ms for one row on a
+// idle part of the time (8 rows of SmolLM2's fp32 linears: 24.8 ms against 17.0 ms for one row on a
 // Zen 3 EPYC; benchmarks/row_block_rows.py); an explicit prefetch kPrefetchBytes ahead keeps it
-// streaming (20.5 ms). One row of float32 weights runs without it (it made that case slower).
+// streaming (20.1 ms). One row of float32 weights runs without it (it made that case slower).
 //
 // Every output is one float32 fused multiply-add chain over k = 0 .. K-1 in order, whatever the
 // number of rows, so a row's result does not depend on the other rows of the batch: a verify
