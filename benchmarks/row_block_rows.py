@@ -5,6 +5,7 @@
     git show 0d2978d:dspark_hf/kernels/csrc/cpu_row_block_linear.cpp > /tmp/old.cpp
     python benchmarks/row_block_rows.py --baseline-source /tmp/old.cpp   # an older kernel beside it
     python benchmarks/row_block_rows.py --baseline-source /tmp/old.cpp --whole-step --rows 1 4 8
+    python benchmarks/row_block_rows.py --compare-isa avx2    # the kernel's AVX2 path beside its widest
 
 One pass runs every linear of a SmolLM2 decode step (30 layers x 7 projections and the LM head;
 random weights of the real shapes, 540 MB in fp32) once on ``rows`` input rows, so weights stream
@@ -17,12 +18,18 @@ round by round (medians), so kernel changes compare on the same machine moment.
 (``rows`` new tokens on a cached 256-token context), one copy per kernel, and checks that both give
 the same logits. Kernels up to 0d2978d stored bfloat16 blocks in plain column order
 (``--baseline-layout plain``, the default); later ones interleave them (``--baseline-layout current``).
+A baseline with instruction-set paths (it has ``isa()``) gets the layout of the path it runs.
+
+``--compare-isa`` times the current kernel a second time restricted to another of its instruction-set
+paths (``avx2``, ``avx512``; the kernel otherwise uses the widest the CPU offers), each variant with
+the weight layout its path reads. Inputs are in the weights' dtype, as in a model.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import tempfile
 import time
@@ -46,24 +53,31 @@ _PACK_CURRENT = cpu_row_block.pack_row_blocks  # the original, also while --whol
 
 def pack_plain(weight: torch.Tensor) -> torch.Tensor:
     """``pack_row_blocks`` with every dtype's columns in plain order (kernels up to 0d2978d)."""
-    packed = _PACK_CURRENT(weight)
+    packed = cpu_row_block._pack_for_isa(weight, "avx2")
     if weight.dtype != torch.bfloat16:
         return packed
     return packed[..., cpu_row_block._BFLOAT16_COLUMN_ORDER.argsort()].contiguous()
 
 
-def _linears_pass(kernels: dict, packers: dict, dtype: torch.dtype, rows_list: list[int], rounds: int) -> dict:
+def _select(isas: dict, name: str) -> None:
+    """Switches the current kernel to the variant's instruction-set path (variants of other kernels have none)."""
+    if isas[name] is not None:
+        cpu_row_block._state["module"].set_isa(isas[name])
+
+
+def _linears_pass(kernels: dict, packers: dict, isas: dict, dtype: torch.dtype, rows_list: list[int], rounds: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator).to(dtype), n, k) for n, k in SMOLLM2_LINEARS]
     packed = {name: [(packers[name](w), n, k) for w, n, k in weights] for name in kernels}
     del weights
-    inputs = {rows: {k: torch.randn(rows, k, generator=generator) for k in (576, 1536)} for rows in rows_list}
+    inputs = {rows: {k: torch.randn(rows, k, generator=generator).to(dtype) for k in (576, 1536)} for rows in rows_list}
     seconds: dict[tuple[str, int], list[float]] = {(name, rows): [] for name in kernels for rows in rows_list}
     names = list(kernels)
     for round_index in range(rounds):
         for rows in rows_list:
             for name in names if round_index % 2 == 0 else names[::-1]:
                 linear, x = kernels[name], inputs[rows]
+                _select(isas, name)
                 start = time.perf_counter()
                 for weight, out_features, in_features in packed[name]:
                     linear(x[in_features], weight, out_features, None)
@@ -71,12 +85,13 @@ def _linears_pass(kernels: dict, packers: dict, dtype: torch.dtype, rows_list: l
     return seconds
 
 
-def _whole_steps(modules: dict, packers: dict, dtype: torch.dtype, rows_list: list[int], rounds: int) -> dict:
+def _whole_steps(modules: dict, packers: dict, isas: dict, dtype: torch.dtype, rows_list: list[int], rounds: int) -> dict:
     stock, _ = load_smollm2(dtype)
     models = {}
     for name, module in modules.items():
         with mock.patch.dict(cpu_row_block._state, module=module), \
                 mock.patch.object(cpu_row_block, "pack_row_blocks", packers[name]):
+            _select(isas, name)
             model = optimize_for_cpu(copy.deepcopy(stock))
             with torch.inference_mode():
                 model(input_ids=torch.tensor([[1, 2, 3]]))  # packs every layer with this kernel's layout
@@ -87,6 +102,7 @@ def _whole_steps(modules: dict, packers: dict, dtype: torch.dtype, rows_list: li
     caches, logits = {}, {}
     with torch.inference_mode():
         for name, model in models.items():
+            _select(isas, name)
             caches[name] = DynamicCache(config=model.config)
             model(input_ids=context, cache=caches[name])
             logits[name] = model(input_ids=new_ids, cache=caches[name]).logits
@@ -98,6 +114,7 @@ def _whole_steps(modules: dict, packers: dict, dtype: torch.dtype, rows_list: li
         for round_index in range(rounds + 1):  # the first round warms up
             for rows in rows_list:
                 for name in names if round_index % 2 == 0 else names[::-1]:
+                    _select(isas, name)
                     start = time.perf_counter()
                     models[name](input_ids=new_ids[:, :rows], cache=caches[name], logits_to_keep=rows)
                     elapsed = time.perf_counter() - start
@@ -115,6 +132,8 @@ def main() -> None:
     parser.add_argument("--baseline-source", help="another cpu_row_block_linear.cpp to time beside the current one")
     parser.add_argument("--baseline-layout", choices=("plain", "current"), default="plain",
                         help="how the baseline kernel stores bfloat16 blocks (see above)")
+    parser.add_argument("--compare-isa", choices=cpu_row_block.ISAS[:-1],
+                        help="also time the current kernel restricted to this instruction-set path")
     parser.add_argument("--whole-step", action="store_true", help="time prepared SmolLM2 forwards instead")
     args = parser.parse_args()
 
@@ -122,21 +141,34 @@ def main() -> None:
         cpu_row_block.load_kernel()
     except RuntimeError as error:  # names why (no AVX2, no compiler or ninja, a failed probe)
         raise SystemExit(str(error)) from error
-    modules = {"current": cpu_row_block._state["module"]}
+    current = cpu_row_block._state["module"]
+    modules = {"current": current}
     packers = {"current": _PACK_CURRENT}
+    isas = {"current": current.isa()}
+    if args.compare_isa:
+        name = f"current {args.compare_isa}"
+        modules = {name: current, **modules}
+        packers[name] = functools.partial(cpu_row_block._pack_for_isa, isa=args.compare_isa)
+        isas[name] = args.compare_isa
     if args.baseline_source:
         module = cpp_extension.load(name="dspark_hf_row_block_baseline", sources=[args.baseline_source],
                                     extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                     build_directory=tempfile.mkdtemp(prefix="row_block_baseline_"))
         modules = {"baseline": module, **modules}
-        packers["baseline"] = pack_plain if args.baseline_layout == "plain" else _PACK_CURRENT
+        if hasattr(module, "isa"):  # a kernel with instruction-set paths: the layout of the path it runs
+            packers["baseline"] = functools.partial(cpu_row_block._pack_for_isa, isa=module.isa())
+        else:
+            packers["baseline"] = pack_plain if args.baseline_layout == "plain" else functools.partial(
+                cpu_row_block._pack_for_isa, isa="avx2")
+        isas["baseline"] = None
 
     dtype = getattr(torch, args.dtype)
     if args.whole_step:
-        seconds = _whole_steps(modules, packers, dtype, args.rows, args.rounds)
+        seconds = _whole_steps(modules, packers, isas, dtype, args.rows, args.rounds)
     else:
         kernels = {name: module.row_block_linear for name, module in modules.items()}
-        seconds = _linears_pass(kernels, packers, dtype, args.rows, args.rounds)
+        seconds = _linears_pass(kernels, packers, isas, dtype, args.rows, args.rounds)
+    current.set_isa(isas["current"])
 
     print(describe_environment(capture_environment()))
     flops_per_row = 2 * sum(n * k for n, k in SMOLLM2_LINEARS)

@@ -1,4 +1,4 @@
-"""The row-block linear kernel: a compiled small-batch ``x @ W.T + b`` for x86 CPUs with AVX2.
+"""The row-block linear kernel: a compiled small-batch ``x @ W.T + b`` for x86 CPUs with AVX2 or AVX-512.
 
 A decode step runs 1 to ~16 input rows through every weight matrix, so it should cost what reading
 the weights costs, whatever the number of rows. oneDNN's packed kernel pays a fixed cost per call
@@ -9,19 +9,29 @@ the weight once in 16-column blocks in its own dtype (float32, bfloat16 or float
 registers) and reads each block from memory once, whatever the number of rows, prefetching ahead
 where the rows' multiply-adds would otherwise leave the memory idle.
 
-Each output is a single float32 fused multiply-add chain over the input features in order, whatever
-the number of rows: a row's result does not depend on the batch it is in. Against ``F.linear`` the
-sums run in another order, so results agree within rounding (checked on a probe before use).
+Instruction-set paths: ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (AVX-512 F/BW/VL: one register per
+16 columns, up to 8 or 12 rows per group) and ``avx512_bf16`` (adds VDPBF16PS for bfloat16 weights
+and inputs, twice the multiply-adds per instruction). The widest the CPU offers is used;
+``$DSPARK_HF_ROW_BLOCK_ISA`` (``avx2``, ``avx512``) pins a narrower one for the whole process. Under
+AVX-512, bfloat16 weights are stored in pairs of input features (:func:`pack_row_blocks`); a weight
+packed that way refuses to run on the AVX2 path rather than give wrong numbers.
+
+Each output is a single float32 multiply-add chain over the input features in order, whatever the
+number of rows: a row's result does not depend on the batch it is in. The FMA paths give the same
+bits on AVX2 and AVX-512; VDPBF16PS flushes subnormals and may round a pair differently, so the
+``avx512_bf16`` path agrees with them within rounding (still independent of the batch). Against
+``F.linear`` the sums run in another order, so results agree within rounding (every path the CPU
+offers is checked on a probe before use).
 
 :func:`~dspark_hf.kernels.cpu_fast_path.optimize_for_cpu` measures this kernel against oneDNN's per
 weight shape and uses whichever is faster on the CPU at hand. Build: compiled with
 ``torch.utils.cpp_extension.load`` on first use (about 30 s; needs a C++ compiler and ninja) and cached
 next to the CUDA op (:func:`dspark_hf.cache_dir.extension_dir`). Where it cannot be built or the CPU
-lacks AVX2/FMA, the oneDNN path is used and the reason is logged once.
-"""
+lacks AVX2/FMA, the oneDNN path is used and the reason is logged once."""
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 import time
@@ -40,6 +50,8 @@ EXTENSION_NAME = "dspark_hf_cpu_row_block"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_row_block_linear.cpp"
 BLOCK = 16  # output columns per block: two AVX2 registers
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ISAS = ("avx2", "avx512", "avx512_bf16")  # the kernel's paths, narrowest first
+ISA_ENV = "DSPARK_HF_ROW_BLOCK_ISA"
 _BFLOAT16_COLUMN_ORDER = torch.arange(BLOCK).view(2, BLOCK // 2).t().reshape(-1)  # 0, 8, 1, 9, ..., 7, 15
 _PROBE_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
 
@@ -65,7 +77,7 @@ def _load(verbose: bool = False):
         if problem is None:
             try:
                 _state["module"] = _build(verbose)
-                problem = _probe_problem(_state["module"])
+                problem = _probe_problem(_state["module"]) or _pin_isa(_state["module"])
             except Exception as error:  # compiler errors, missing headers, load failures
                 problem = (f"building it failed ({type(error).__name__}: {str(error)[:300]}); rerun "
                            "dspark_hf.kernels.cpu_row_block.load_kernel(verbose=True) to see the compiler output")
@@ -94,16 +106,33 @@ def _build(verbose: bool = False):
 
 
 def _probe_problem(module) -> str | None:
+    """Checks every instruction-set path the CPU offers against F.linear, and leaves the widest in use."""
+    isas = ISAS[:ISAS.index(module.cpu_isa()) + 1]
     generator = torch.Generator().manual_seed(0)
-    for dtype in _DTYPES:
-        weight = torch.randn(40, 24, generator=generator).to(dtype)  # 40: a partial last block
-        bias = torch.randn(40, generator=generator).to(dtype)
-        x = torch.randn(2, 13, 24, generator=generator).to(dtype)  # 26 rows: full and partial row groups
-        got = module.row_block_linear(x, pack_row_blocks(weight), weight.shape[0], bias)
-        expected = F.linear(x.float(), weight.float(), bias.float())
-        rtol, atol = _PROBE_TOLERANCE[dtype]
-        if got.dtype != dtype or got.shape != expected.shape or not torch.allclose(got.float(), expected, rtol=rtol, atol=atol):
-            return f"it gave a result different from F.linear on a {dtype} probe"
+    for isa in isas:
+        module.set_isa(isa)
+        for dtype in _DTYPES:
+            weight = torch.randn(40, 25, generator=generator).to(dtype)  # 40: a partial last block; 25: odd
+            bias = torch.randn(40, generator=generator).to(dtype)
+            x = torch.randn(2, 13, 25, generator=generator).to(dtype)  # 26 rows: full and partial row groups
+            got = module.row_block_linear(x, _pack_for_isa(weight, isa), weight.shape[0], bias)
+            expected = F.linear(x.float(), weight.float(), bias.float())
+            rtol, atol = _PROBE_TOLERANCE[dtype]
+            if got.dtype != dtype or got.shape != expected.shape or not torch.allclose(got.float(), expected, rtol=rtol, atol=atol):
+                return f"it gave a result different from F.linear on a {dtype} probe ({isa} path)"
+    return None
+
+
+def _pin_isa(module) -> str | None:
+    """Applies ``$DSPARK_HF_ROW_BLOCK_ISA`` (a narrower path than the CPU's widest); a problem names a bad value."""
+    pinned = os.environ.get(ISA_ENV, "").strip()
+    if not pinned:
+        return None
+    offered = ISAS[:ISAS.index(module.cpu_isa()) + 1]
+    if pinned not in offered:
+        return f"{ISA_ENV}={pinned!r} is not one of the paths this CPU offers ({', '.join(offered)})"
+    module.set_isa(pinned)
+    logger.info("dspark_hf: the CPU row-block linear kernel runs its %s path (%s).", pinned, ISA_ENV)
     return None
 
 
@@ -127,15 +156,31 @@ def supports_dtype(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
+def kernel_isa() -> str | None:
+    """The instruction set the kernel runs with here: ``"avx2"``, ``"avx512"`` or ``"avx512_bf16"``
+    (building it on first call); None where it cannot run."""
+    module = _load()
+    return None if module is None else module.isa()
+
+
 def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] as [ceil(N / 16), K, 16] in its own dtype (the last block zero-padded). In
-    bfloat16 each k's 16 columns are stored in the order 0, 8, 1, 9, ..., 7, 15, which the kernel
-    widens to float32 in three instructions."""
+    """``weight`` [N, K] in 16-column blocks in its own dtype (the last block zero-padded), in the layout
+    the kernel's instruction set reads: [ceil(N / 16), K, 16], except bfloat16 under AVX-512, which is
+    stored in pairs of k, [ceil(N / 16), ceil(K / 2), 32] (column j's weights for k and k + 1 side by
+    side, as VDPBF16PS reads them). Under AVX2, bfloat16 stores each k's 16 columns in the order 0, 8,
+    1, 9, ..., 7, 15, which the kernel widens to float32 in three instructions."""
+    return _pack_for_isa(weight, kernel_isa())
+
+
+def _pack_for_isa(weight: torch.Tensor, isa: str | None) -> torch.Tensor:
     weight = weight.detach()
     out_features, in_features = weight.shape
     blocks = -(-out_features // BLOCK)
-    padded = weight.new_zeros(blocks * BLOCK, in_features)
-    padded[:out_features] = weight
+    pairs = weight.dtype == torch.bfloat16 and isa in ("avx512", "avx512_bf16")
+    padded = weight.new_zeros(blocks * BLOCK, in_features + (in_features % 2 if pairs else 0))
+    padded[:out_features, :in_features] = weight
+    if pairs:
+        return padded.view(blocks, BLOCK, -1, 2).permute(0, 2, 1, 3).reshape(blocks, -1, 2 * BLOCK).contiguous()
     packed = padded.view(blocks, BLOCK, in_features).transpose(1, 2)
     if weight.dtype == torch.bfloat16:
         packed = packed[..., _BFLOAT16_COLUMN_ORDER]
@@ -157,5 +202,5 @@ def row_block_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, b
     return _state["module"].row_block_linear(x, packed, out_features, bias)
 
 
-__all__ = ["load_kernel", "pack_row_blocks", "row_block_linear", "row_block_unavailable_reason", "runner",
+__all__ = ["kernel_isa", "load_kernel", "pack_row_blocks", "row_block_linear", "row_block_unavailable_reason", "runner",
            "supports_dtype"]

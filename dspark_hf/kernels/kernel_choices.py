@@ -6,8 +6,9 @@ from here). The choice depends on the processor, the torch build, the thread cou
 code, not on the weights' values, so it is kept in ``<cache>/kernel_choices/<environment>.json``
 (``<cache>``: :func:`dspark_hf.cache_dir.default_cache_dir`) and a later process on the same machine
 reads it instead of timing again. The file name is a digest of the CPU model and instruction-set
-flags, torch's version and CPU capability, and the source of the measuring code and of the
-row-block kernel: any of them changing starts a new file. Delete the folder to measure again. A
+flags, torch's version and CPU capability, the source of the measuring code and of the row-block
+kernel, and the instruction-set path the row-block kernel runs (a pinned narrower path is timed apart):
+any of them changing starts a new file. Delete the folder to measure again. A
 file that cannot be read or written is logged and ignored.
 """
 
@@ -24,6 +25,7 @@ from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
 from .cpu_identity import cpu_isa_flags, cpu_model
+from .cpu_row_block import kernel_isa
 
 logger = logging.get_logger(__name__)
 
@@ -41,7 +43,8 @@ def kernel_code_digest() -> str:
 
 def _environment() -> dict:
     return {"cpu_model": cpu_model(), "cpu_isa_flags": cpu_isa_flags(), "torch": torch.__version__,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_code": kernel_code_digest()}
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_code": kernel_code_digest(),
+            "row_block_isa": kernel_isa()}
 
 
 def choices_path() -> Path:

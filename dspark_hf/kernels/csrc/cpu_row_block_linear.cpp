@@ -1,42 +1,72 @@
-// A small-batch linear kernel for x86 CPUs with AVX2 + FMA (+ F16C), built by dspark_hf/kernels/cpu_row_block.py.
+// A small-batch linear kernel for x86 CPUs with AVX2 + FMA (+ F16C), and AVX-512 where the CPU has it,
+// built by dspark_hf/kernels/cpu_row_block.py.
 //
 // Decoding runs 1 to ~16 input rows through every weight matrix once per step, so the step streams
 // the weights from memory and should cost about the same for 1 row as for 8. The weight is stored in
-// column blocks of 16 outputs, [N/16][K][16], in its own dtype (float32, bfloat16 or float16, widened
-// to float32 in registers). bfloat16 blocks hold each k's 16 columns interleaved (0, 8, 1, 9, ... 7, 15),
-// so one 32-byte load widens with a shift (columns 0-7) and a mask (columns 8-15): 3 instructions
-// for 16 weights instead of 6. A group of up to 6 rows keeps 2 x 6 accumulators in registers; more rows
-// take turns on each short k-span of the block while it sits in L1, so every weight is read from
-// memory once per call at an even pace. Threads split the column blocks.
+// column blocks of 16 outputs in its own dtype (float32, bfloat16 or float16, widened to float32 in
+// registers). Two layouts:
+//
+// * per k, [N/16][K][16]: float32 and float16 everywhere; bfloat16 under AVX2, with each k's 16 columns
+//   interleaved (0, 8, 1, 9, ... 7, 15) so one 32-byte load widens with a shift (columns 0-7) and a mask
+//   (columns 8-15): 3 instructions for 16 weights instead of 6.
+// * per pair of k, [N/16][K/2][16 x 2]: bfloat16 under AVX-512. One 64-byte line holds the 16 columns'
+//   weights for k and k + 1; a shift gives k's and a mask k + 1's (float32 inputs), or, on CPUs with
+//   avx512_bf16 and bfloat16 inputs, VDPBF16PS multiplies the pair and adds it in one instruction.
+//
+// A group of rows keeps its accumulators in registers (AVX2: up to 6 rows x 2 registers; AVX-512: up
+// to 12 rows x 1); more rows take turns on each short k-span of the block while it sits in L1, so every
+// weight is read from memory once per call at an even pace. Threads split the column blocks.
 //
 // With several rows the FMAs take long enough that the hardware prefetcher alone leaves the memory
 // idle part of the time (8 rows of SmolLM2's fp32 linears: 24.8 ms against 17.0 ms for one row on a
 // Zen 3 EPYC; benchmarks/row_block_rows.py); an explicit prefetch kPrefetchBytes ahead keeps it
 // streaming (20.1 ms). One row of float32 weights runs without it (it made that case slower).
 //
-// Every output is one float32 fused multiply-add chain over k = 0 .. K-1 in order, whatever the
-// number of rows, so a row's result does not depend on the other rows of the batch: a verify
-// forward of several tokens gives each token the same linear outputs as a forward of that token alone.
+// Every output is one float32 multiply-add chain over k = 0 .. K-1 in order, whatever the number of
+// rows, so a row's result does not depend on the other rows of the batch: a verify forward of several
+// tokens gives each token the same linear outputs as a forward of that token alone. The FMA paths (AVX2
+// and AVX-512) give the same bits; VDPBF16PS adds each pair's products one after the other with
+// round-to-nearest like an FMA but flushes subnormal inputs and results to zero (and the CPU may order
+// the pair differently), so its outputs can differ from the FMA paths' in the last bit, never between
+// batch sizes.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 16;
-constexpr int64_t kSpan = 32;
+constexpr int64_t kSpanK = 32;  // k-steps per span when several row groups share a block
 constexpr int64_t kPrefetchBytes = 2048;
-// The fewest rows that prefetch, per weight size: float32 from 2 rows; 16-bit weights from 1 (one row of
-// bfloat16 ran about 9% faster with it, float32 about 6% slower).
-template <typename W> constexpr int64_t kPrefetchFromRows = sizeof(W) == 4 ? 2 : 1;
 
 #define DSPARK_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define DSPARK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define DSPARK_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 #define DSPARK_INLINE inline __attribute__((always_inline))
+
+enum Isa : int { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
+const char* const kIsaNames[] = {"avx2", "avx512", "avx512_bf16"};
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")))
+    return kAvx2;
+  return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
+}
+const Isa kCpuIsa = detect_isa();
+std::atomic<int> g_isa{kCpuIsa};
+
+struct Half { uint16_t bits; };
+
+// ---- AVX2: per-k layout, up to 6 rows x 2 registers --------------------------------------------------
 
 // One k's 16 weights from p, widened to float32: columns 0-7 in low, 8-15 in high.
 template <typename W> DSPARK_INLINE DSPARK_AVX2 void load16(const W* p, __m256& low, __m256& high);
@@ -51,101 +81,295 @@ template <> DSPARK_INLINE DSPARK_AVX2 void load16<uint16_t>(const uint16_t* p, _
   low = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
   high = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-struct Half { uint16_t bits; };
 template <> DSPARK_INLINE DSPARK_AVX2 void load16<Half>(const Half* p, __m256& low, __m256& high) {
   low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
 
-// R <= 6 rows x one 16-column block over k in [k_begin, k_end): the 2 x R accumulators start from and
-// return to acc[R][16], so a block can be walked in k-spans without changing any output's FMA chain.
-// Prefetch: fetch the weights kPrefetchBytes ahead, once per 64-byte line.
-template <typename W, int R, bool Prefetch>
-DSPARK_AVX2 void block_span(const float* x, int64_t K, const W* block, int64_t k_begin, int64_t k_end, float* acc) {
-  __m256 a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5;
-#define DSPARK_IN(i) if constexpr (R > i) { a##i = _mm256_loadu_ps(acc + i * kBlock); b##i = _mm256_loadu_ps(acc + i * kBlock + 8); }
-  DSPARK_IN(0) DSPARK_IN(1) DSPARK_IN(2) DSPARK_IN(3) DSPARK_IN(4) DSPARK_IN(5)
-#undef DSPARK_IN
+// Prefetch the weights kPrefetchBytes ahead, once per 64-byte line (a step holds step_bytes of them).
+template <int64_t StepBytes> DSPARK_INLINE void prefetch_ahead(const void* step_start, int64_t step) {
+  if (StepBytes >= 64 || (step & (64 / StepBytes - 1)) == 0)
+    _mm_prefetch(static_cast<const char*>(step_start) + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// The span kernels: R rows x B column blocks over steps [s_begin, s_end) (a step is one k, or one pair of
+// k in the pair layout). Block b starts at block + b * stride; the accumulators start from and return to
+// acc[R][B][16], so a block can be walked in spans without changing any output's chain. One or two rows
+// take several blocks at once (B > 1): a single chain per output would otherwise wait on the FMA's
+// latency (one row of a 576x576 fp32 layer ran about as fast from L2 as from memory).
+
+template <typename W, int R, int B, bool Prefetch>
+DSPARK_AVX2 void span_avx2(const float* x, int64_t ldx, const W* block, int64_t stride, int64_t k_begin, int64_t k_end,
+                           float* acc) {
+  __m256 low_acc[R][B], high_acc[R][B];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      low_acc[r][b] = _mm256_loadu_ps(acc + (r * B + b) * kBlock);
+      high_acc[r][b] = _mm256_loadu_ps(acc + (r * B + b) * kBlock + 8);
+    }
   for (int64_t k = k_begin; k < k_end; ++k) {
-    if constexpr (Prefetch) {
-      if (sizeof(W) == 4 || (k & 1) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(block + k * kBlock) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 w_low[B], w_high[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      if constexpr (Prefetch) prefetch_ahead<kBlock * sizeof(W)>(block + b * stride + k * kBlock, k);
+      load16<W>(block + b * stride + k * kBlock, w_low[b], w_high[b]);
     }
-    __m256 w_low, w_high, xk;
-    load16<W>(block + k * kBlock, w_low, w_high);
-#define DSPARK_ROW(i) if constexpr (R > i) { xk = _mm256_broadcast_ss(x + i * K + k); \
-    a##i = _mm256_fmadd_ps(xk, w_low, a##i); b##i = _mm256_fmadd_ps(xk, w_high, b##i); }
-    DSPARK_ROW(0) DSPARK_ROW(1) DSPARK_ROW(2) DSPARK_ROW(3) DSPARK_ROW(4) DSPARK_ROW(5)
-#undef DSPARK_ROW
-  }
-#define DSPARK_OUT(i) if constexpr (R > i) { _mm256_storeu_ps(acc + i * kBlock, a##i); _mm256_storeu_ps(acc + i * kBlock + 8, b##i); }
-  DSPARK_OUT(0) DSPARK_OUT(1) DSPARK_OUT(2) DSPARK_OUT(3) DSPARK_OUT(4) DSPARK_OUT(5)
-#undef DSPARK_OUT
-}
-
-// All rows x one block. Rows go in groups of at most 6, of balanced size (8 rows: 4 + 4). With more
-// than one group the block is walked in spans of kSpan k-steps and every group takes its turn on a span
-// while it is in L1, so the weights stream from memory at an even pace as the rows are computed.
-template <typename W>
-void rows_of_block(const float* x, int64_t rows, int64_t K, const W* block, float* y, int64_t N, int64_t columns,
-                   float* acc) {
-  using Kernel = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*);
-  static constexpr Kernel streaming[7] = {nullptr, block_span<W, 1, false>, block_span<W, 2, false>,
-                                          block_span<W, 3, false>, block_span<W, 4, false>, block_span<W, 5, false>,
-                                          block_span<W, 6, false>};
-  static constexpr Kernel prefetching[7] = {nullptr, block_span<W, 1, true>, block_span<W, 2, true>,
-                                            block_span<W, 3, true>, block_span<W, 4, true>, block_span<W, 5, true>,
-                                            block_span<W, 6, true>};
-  const Kernel* kernels = rows >= kPrefetchFromRows<W> ? prefetching : streaming;
-  std::fill(acc, acc + rows * kBlock, 0.0f);
-  const int64_t groups = (rows + 5) / 6;
-  const int64_t span = groups == 1 ? K : kSpan;
-  for (int64_t k = 0; k < K; k += span) {
-    const int64_t k_end = std::min<int64_t>(K, k + span);
-    for (int64_t group = 0, first = 0; group < groups; ++group) {
-      const int64_t count = (rows - first) / (groups - group);
-      kernels[count](x + first * K, K, block, k, k_end, acc + first * kBlock);
-      first += count;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) {
+        low_acc[r][b] = _mm256_fmadd_ps(xk, w_low[b], low_acc[r][b]);
+        high_acc[r][b] = _mm256_fmadd_ps(xk, w_high[b], high_acc[r][b]);
+      }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) std::copy(acc + r * kBlock, acc + r * kBlock + columns, y + r * N);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      _mm256_storeu_ps(acc + (r * B + b) * kBlock, low_acc[r][b]);
+      _mm256_storeu_ps(acc + (r * B + b) * kBlock + 8, high_acc[r][b]);
+    }
 }
 
-template <typename W>
-void run(const float* x, int64_t rows, int64_t K, const W* packed, int64_t N, float* y) {
+template <typename W> DSPARK_INLINE DSPARK_AVX512 __m512 load16_512(const W* p);
+template <> DSPARK_INLINE DSPARK_AVX512 __m512 load16_512<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> DSPARK_INLINE DSPARK_AVX512 __m512 load16_512<Half>(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// AVX-512, per-k layout (float32, float16).
+template <typename W, int R, int B, bool Prefetch>
+DSPARK_AVX512 void span_avx512(const float* x, int64_t ldx, const W* block, int64_t stride, int64_t k_begin,
+                               int64_t k_end, float* acc) {
+  __m512 sums[R][B];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) sums[r][b] = _mm512_loadu_ps(acc + (r * B + b) * kBlock);
+  for (int64_t k = k_begin; k < k_end; ++k) {
+    __m512 w[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      if constexpr (Prefetch) prefetch_ahead<kBlock * sizeof(W)>(block + b * stride + k * kBlock, k);
+      w[b] = load16_512<W>(block + b * stride + k * kBlock);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xk = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) sums[r][b] = _mm512_fmadd_ps(xk, w[b], sums[r][b]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
+}
+
+// AVX-512, bfloat16 pairs with float32 inputs: k = 2p then k = 2p + 1, as an FMA chain.
+template <int R, int B, bool Prefetch>
+DSPARK_AVX512 void span_pairs_fma(const float* x, int64_t ldx, const uint32_t* block, int64_t stride, int64_t p_begin,
+                                  int64_t p_end, float* acc) {
+  __m512 sums[R][B];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) sums[r][b] = _mm512_loadu_ps(acc + (r * B + b) * kBlock);
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    __m512 even[B], odd[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      if constexpr (Prefetch) prefetch_ahead<64>(block + b * stride + p * kBlock, p);
+      const __m512i words = _mm512_loadu_si512(block + b * stride + p * kBlock);
+      even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+      odd[b] = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 x_even = _mm512_set1_ps(x[r * ldx + 2 * p]), x_odd = _mm512_set1_ps(x[r * ldx + 2 * p + 1]);
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) sums[r][b] = _mm512_fmadd_ps(x_odd, odd[b], _mm512_fmadd_ps(x_even, even[b], sums[r][b]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
+}
+
+// AVX-512 BF16, bfloat16 pairs with bfloat16 inputs (x as pairs of k in 32-bit words): one VDPBF16PS per
+// row, block and pair.
+template <int R, int B, bool Prefetch>
+DSPARK_AVX512_BF16 void span_pairs_dot(const uint32_t* x, int64_t ldx, const uint32_t* block, int64_t stride,
+                                       int64_t p_begin, int64_t p_end, float* acc) {
+  __m512 sums[R][B];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) sums[r][b] = _mm512_loadu_ps(acc + (r * B + b) * kBlock);
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    __m512bh w[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      if constexpr (Prefetch) prefetch_ahead<64>(block + b * stride + p * kBlock, p);
+      w[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(block + b * stride + p * kBlock));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * ldx + p])));
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) sums[r][b] = _mm512_dpbf16_ps(sums[r][b], w[b], xp);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
+}
+
+// ---- driver ------------------------------------------------------------------------------------------
+
+// The span kernels of one path: groups of 1 .. MaxRows rows on one block, and one or two rows on several
+// blocks at once; each with and without prefetching.
+constexpr int kOneRowBlocks = 4, kTwoRowBlocks = 2;
+template <typename X, typename W, int MaxRows>
+struct Path {
+  using Span = void (*)(const X*, int64_t, const W*, int64_t, int64_t, int64_t, float*);
+  Span group[2][MaxRows + 1];  // [prefetch][rows], one block
+  Span one_row[2];             // kOneRowBlocks blocks
+  Span two_rows[2];            // kTwoRowBlocks blocks
+  int64_t prefetch_from_rows;  // the fewest rows that prefetch
+  int64_t span_steps;          // steps per span when several row groups share a block
+};
+
+template <typename X, typename W, int MaxRows, template <int, int, bool> class Kernel, std::size_t... R>
+constexpr Path<X, W, MaxRows> make_path(int64_t prefetch_from_rows, int64_t span_steps, std::index_sequence<R...>) {
+  return {{{nullptr, Kernel<R + 1, 1, false>::run...}, {nullptr, Kernel<R + 1, 1, true>::run...}},
+          {Kernel<1, kOneRowBlocks, false>::run, Kernel<1, kOneRowBlocks, true>::run},
+          {Kernel<2, kTwoRowBlocks, false>::run, Kernel<2, kTwoRowBlocks, true>::run},
+          prefetch_from_rows, span_steps};
+}
+template <typename X, typename W, int MaxRows, template <int, int, bool> class Kernel>
+constexpr Path<X, W, MaxRows> make_path(int64_t prefetch_from_rows, int64_t span_steps) {
+  return make_path<X, W, MaxRows, Kernel>(prefetch_from_rows, span_steps, std::make_index_sequence<MaxRows>{});
+}
+
+template <typename W> struct Avx2 { template <int R, int B, bool P> struct K { static constexpr auto run = span_avx2<W, R, B, P>; }; };
+template <typename W> struct Avx512 { template <int R, int B, bool P> struct K { static constexpr auto run = span_avx512<W, R, B, P>; }; };
+template <int R, int B, bool P> struct PairsFma { static constexpr auto run = span_pairs_fma<R, B, P>; };
+template <int R, int B, bool P> struct PairsDot { static constexpr auto run = span_pairs_dot<R, B, P>; };
+
+// float32 weights prefetch from 2 rows (one row is purely bound by memory and ran about 6% slower with it
+// on the Zen 3), 16-bit weights from 1 (one bfloat16 row ran about 9% faster with it).
+template <typename W> constexpr int64_t kPrefetchFromRows = sizeof(W) == 4 ? 2 : 1;
+template <typename W> constexpr auto kAvx2Path = make_path<float, W, 6, Avx2<W>::template K>(kPrefetchFromRows<W>, kSpanK);
+template <typename W> constexpr auto kAvx512Path = make_path<float, W, 8, Avx512<W>::template K>(kPrefetchFromRows<W>, kSpanK);
+constexpr auto kPairsFmaPath = make_path<float, uint32_t, 12, PairsFma>(1, kSpanK / 2);
+constexpr auto kPairsDotPath = make_path<uint32_t, uint32_t, 12, PairsDot>(1, kSpanK / 2);
+
+// All rows x `count` adjacent blocks (y: the first block's columns). One or two rows take kOneRowBlocks or
+// kTwoRowBlocks blocks per kernel call. More rows go in groups of at most MaxRows, of balanced size (8 rows
+// under AVX2: 4 + 4), one block at a time; with more than one group the block is walked in spans and every
+// group takes its turn on a span while it is in L1, so the weights stream from memory at an even pace.
+template <typename X, typename W, int MaxRows>
+void rows_of_blocks(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, int64_t rows, int64_t steps,
+                    const W* blocks, int64_t count, float* y, int64_t N, int64_t columns_left, float* acc) {
+  const int prefetch = rows >= path.prefetch_from_rows ? 1 : 0;
+  const int64_t stride = steps * kBlock;
+  const int64_t wide = rows == 1 ? kOneRowBlocks : rows == 2 ? kTwoRowBlocks : 1;
+  for (int64_t b = 0; b < count;) {
+    const int64_t tile = b + wide <= count ? wide : 1;
+    std::fill(acc, acc + rows * tile * kBlock, 0.0f);
+    if (tile > 1) {
+      (rows == 1 ? path.one_row : path.two_rows)[prefetch](x, ldx, blocks + b * stride, stride, 0, steps, acc);
+    } else {
+      const int64_t groups = (rows + MaxRows - 1) / MaxRows;
+      const int64_t span = groups == 1 ? steps : path.span_steps;
+      for (int64_t s = 0; s < steps; s += span) {
+        const int64_t s_end = std::min<int64_t>(steps, s + span);
+        for (int64_t group = 0, first = 0; group < groups; ++group) {
+          const int64_t size = (rows - first) / (groups - group);
+          path.group[prefetch][size](x + first * ldx, ldx, blocks + b * stride, stride, s, s_end, acc + first * kBlock);
+          first += size;
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < tile; ++t) {
+        const int64_t column = (b + t) * kBlock, width = std::min<int64_t>(kBlock, columns_left - column);
+        const float* sums = acc + (r * tile + t) * kBlock;
+        std::copy(sums, sums + width, y + r * N + column);
+      }
+    b += tile;
+  }
+}
+
+template <typename X, typename W, int MaxRows>
+void run(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, int64_t rows, int64_t steps, const W* packed,
+         int64_t N, float* y) {
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(rows * kBlock);
-    for (int64_t b = begin; b < end; ++b) {
-      rows_of_block<W>(x, rows, K, packed + b * K * kBlock, y + b * kBlock, N, std::min<int64_t>(kBlock, N - b * kBlock),
-                       acc.data());
-    }
+    std::vector<float> acc(rows * std::max<int64_t>(kOneRowBlocks, 1) * kBlock);
+    rows_of_blocks(path, x, ldx, rows, steps, packed + begin * steps * kBlock, end - begin, y + begin * kBlock, N,
+                   N - begin * kBlock, acc.data());
   });
 }
 
-// input [..., K] of any float dtype; packed [N/16 (rounded up), K, 16]; returns [..., N] in input's dtype.
+// input [..., K] of any float dtype; packed [ceil(N/16), K, 16] (per-k layout) or, bfloat16 only,
+// [ceil(N/16), ceil(K/2), 32] (pair layout, AVX-512); returns [..., N] in input's dtype.
 torch::Tensor row_block_linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features,
                                const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(input.device().is_cpu() && packed.device().is_cpu(), "row_block_linear runs on CPU tensors");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(), "packed weight must be [blocks, K, 16]");
-  const int64_t K = packed.size(1);
-  TORCH_CHECK(input.size(-1) == K, "input has ", input.size(-1), " features, the weight ", K);
+  const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * kBlock;
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kBlock || pairs) && packed.is_contiguous(),
+              "packed weight must be [blocks, K, 16] or [blocks, K/2, 32]");
+  const int64_t K = input.size(-1);
+  const int64_t steps = packed.size(1);
+  TORCH_CHECK(pairs ? steps == (K + 1) / 2 : steps == K, "input has ", K, " features, the packed weight ",
+              pairs ? 2 * steps : steps);
   TORCH_CHECK(packed.size(0) * kBlock >= out_features, "packed weight has fewer than out_features columns");
-  const torch::Tensor x = input.reshape({-1, K}).to(torch::kFloat32).contiguous();
-  const int64_t rows = x.size(0);
-  torch::Tensor y = torch::empty({rows, out_features}, x.options());
+  const int isa = g_isa.load(std::memory_order_relaxed);
+  TORCH_CHECK(!pairs || (packed.scalar_type() == torch::kBFloat16 && isa >= kAvx512),
+              "this weight was packed in bfloat16 pairs for AVX-512, which is not in use; pack it again with "
+              "pack_row_blocks");
+  const int64_t padded_k = pairs ? 2 * steps : K;  // the pair layout's zero weight for an odd K meets a zero input
+  torch::Tensor flat = input.reshape({-1, K});
+  const int64_t rows = flat.size(0);
+  const bool dot = pairs && isa >= kAvx512Bf16 && input.scalar_type() == torch::kBFloat16;
+  torch::Tensor x = flat.to(dot ? torch::kBFloat16 : torch::kFloat32);
+  if (padded_k != K) x = at::constant_pad_nd(x, {0, padded_k - K});
+  x = x.contiguous();
+  torch::Tensor y = torch::empty({rows, out_features}, input.options().dtype(torch::kFloat32));
   if (rows > 0) {
+    float* out = y.data_ptr<float>();
+    const void* weights = packed.data_ptr();
     switch (packed.scalar_type()) {
       case torch::kFloat32:
-        run<float>(x.data_ptr<float>(), rows, K, packed.data_ptr<float>(), out_features, y.data_ptr<float>());
+        if (isa >= kAvx512)
+          run(kAvx512Path<float>, x.data_ptr<float>(), K, rows, steps, static_cast<const float*>(weights), out_features, out);
+        else
+          run(kAvx2Path<float>, x.data_ptr<float>(), K, rows, steps, static_cast<const float*>(weights), out_features, out);
         break;
       case torch::kBFloat16:
-        run<uint16_t>(x.data_ptr<float>(), rows, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                      out_features, y.data_ptr<float>());
+        if (dot)
+          run(kPairsDotPath, reinterpret_cast<const uint32_t*>(x.data_ptr()), padded_k / 2, rows, steps,
+              static_cast<const uint32_t*>(weights), out_features, out);
+        else if (pairs)
+          run(kPairsFmaPath, x.data_ptr<float>(), padded_k, rows, steps, static_cast<const uint32_t*>(weights),
+              out_features, out);
+        else
+          run(kAvx2Path<uint16_t>, x.data_ptr<float>(), K, rows, steps, static_cast<const uint16_t*>(weights),
+              out_features, out);
         break;
       case torch::kHalf:
-        run<Half>(x.data_ptr<float>(), rows, K, reinterpret_cast<const Half*>(packed.data_ptr()), out_features,
-                  y.data_ptr<float>());
+        if (isa >= kAvx512)
+          run(kAvx512Path<Half>, x.data_ptr<float>(), K, rows, steps, static_cast<const Half*>(weights), out_features, out);
+        else
+          run(kAvx2Path<Half>, x.data_ptr<float>(), K, rows, steps, static_cast<const Half*>(weights), out_features, out);
         break;
       default:
         TORCH_CHECK(false, "row_block_linear: packed weights must be float32, bfloat16 or float16, got ",
@@ -158,8 +382,25 @@ torch::Tensor row_block_linear(const torch::Tensor& input, const torch::Tensor& 
   return y.view(sizes).to(input.scalar_type());
 }
 
+std::string cpu_isa() { return kIsaNames[kCpuIsa]; }
+std::string isa() { return kIsaNames[g_isa.load()]; }
+
+// Selects the instruction set for later calls (to compare paths on one machine); never above the CPU's.
+void set_isa(const std::string& name) {
+  for (int level = kAvx2; level <= kAvx512Bf16; ++level) {
+    if (name != kIsaNames[level]) continue;
+    TORCH_CHECK(level <= kCpuIsa, "this CPU supports row-block paths up to ", kIsaNames[kCpuIsa], ", not ", name);
+    g_isa.store(level);
+    return;
+  }
+  TORCH_CHECK(false, "unknown row-block instruction set '", name, "' (avx2, avx512 or avx512_bf16)");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("row_block_linear", &row_block_linear, "x @ W.T + b with W packed in 16-column blocks (AVX2 + FMA)");
+  m.def("row_block_linear", &row_block_linear, "x @ W.T + b with W packed in 16-column blocks (AVX2 or AVX-512)");
+  m.def("cpu_isa", &cpu_isa, "the widest instruction set this CPU offers the kernel: avx2, avx512 or avx512_bf16");
+  m.def("isa", &isa, "the instruction set the kernel uses now");
+  m.def("set_isa", &set_isa, "use this instruction set (at most the CPU's) from now on");
 }
