@@ -271,13 +271,37 @@ template <typename W> constexpr auto kAvx512Path = make_path<float, W, 8, Avx512
 constexpr auto kPairsFmaPath = make_path<float, uint32_t, 12, PairsFma>(1, kSpanK / 2);
 constexpr auto kPairsDotPath = make_path<uint32_t, uint32_t, 12, PairsDot>(1, kSpanK / 2);
 
-// All rows x `count` adjacent blocks (y: the first block's columns). One or two rows take kOneRowBlocks or
+// Where a call's results go: [rows, N] in the input's dtype, rounded from float32 (after adding the float32
+// bias, as F.linear's float32 result plus bias rounded by .to() would be) while the block's sums are in L1.
+struct Output {
+  void* data;
+  at::ScalarType dtype;  // float32, bfloat16 or float16
+  const float* bias;     // nullptr: none
+  int64_t N;
+};
+
+template <typename Y>
+void store_sums(const float* sums, const float* bias, int64_t width, Y* out) {
+  for (int64_t c = 0; c < width; ++c) out[c] = static_cast<Y>(bias == nullptr ? sums[c] : sums[c] + bias[c]);
+}
+
+void store_row(const float* sums, int64_t width, const Output& out, int64_t row, int64_t column) {
+  const int64_t at = row * out.N + column;
+  const float* bias = out.bias == nullptr ? nullptr : out.bias + column;
+  switch (out.dtype) {
+    case torch::kBFloat16: store_sums(sums, bias, width, static_cast<c10::BFloat16*>(out.data) + at); break;
+    case torch::kHalf: store_sums(sums, bias, width, static_cast<c10::Half*>(out.data) + at); break;
+    default: store_sums(sums, bias, width, static_cast<float*>(out.data) + at);
+  }
+}
+
+// All rows x `count` adjacent blocks, the first at column `first_column`. One or two rows take kOneRowBlocks or
 // kTwoRowBlocks blocks per kernel call. More rows go in groups of at most MaxRows, of balanced size (8 rows
 // under AVX2: 4 + 4), one block at a time; with more than one group the block is walked in spans and every
 // group takes its turn on a span while it is in L1, so the weights stream from memory at an even pace.
 template <typename X, typename W, int MaxRows>
 void rows_of_blocks(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, int64_t rows, int64_t steps,
-                    const W* blocks, int64_t count, float* y, int64_t N, int64_t columns_left, float* acc) {
+                    const W* blocks, int64_t count, const Output& out, int64_t first_column, float* acc) {
   const int prefetch = rows >= path.prefetch_from_rows ? 1 : 0;
   const int64_t stride = steps * kBlock;
   const int64_t wide = rows == 1 ? kOneRowBlocks : rows == 2 ? kTwoRowBlocks : 1;
@@ -300,9 +324,8 @@ void rows_of_blocks(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, in
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t t = 0; t < tile; ++t) {
-        const int64_t column = (b + t) * kBlock, width = std::min<int64_t>(kBlock, columns_left - column);
-        const float* sums = acc + (r * tile + t) * kBlock;
-        std::copy(sums, sums + width, y + r * N + column);
+        const int64_t column = first_column + (b + t) * kBlock;
+        store_row(acc + (r * tile + t) * kBlock, std::min<int64_t>(kBlock, out.N - column), out, r, column);
       }
     b += tile;
   }
@@ -310,12 +333,12 @@ void rows_of_blocks(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, in
 
 template <typename X, typename W, int MaxRows>
 void run(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, int64_t rows, int64_t steps, const W* packed,
-         int64_t N, float* y) {
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
+         const Output& out) {
+  const int64_t blocks = (out.N + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(rows * std::max<int64_t>(kOneRowBlocks, 1) * kBlock);
-    rows_of_blocks(path, x, ldx, rows, steps, packed + begin * steps * kBlock, end - begin, y + begin * kBlock, N,
-                   N - begin * kBlock, acc.data());
+    std::vector<float> acc(rows * kOneRowBlocks * kBlock);
+    rows_of_blocks(path, x, ldx, rows, steps, packed + begin * steps * kBlock, end - begin, out, begin * kBlock,
+                   acc.data());
   });
 }
 
@@ -343,43 +366,44 @@ torch::Tensor row_block_linear(const torch::Tensor& input, const torch::Tensor& 
   torch::Tensor x = flat.to(dot ? torch::kBFloat16 : torch::kFloat32);
   if (padded_k != K) x = at::constant_pad_nd(x, {0, padded_k - K});
   x = x.contiguous();
-  torch::Tensor y = torch::empty({rows, out_features}, input.options().dtype(torch::kFloat32));
+  const at::ScalarType in_dtype = input.scalar_type();
+  const bool direct = in_dtype == torch::kFloat32 || in_dtype == torch::kBFloat16 || in_dtype == torch::kHalf;
+  torch::Tensor y = torch::empty({rows, out_features}, input.options().dtype(direct ? in_dtype : torch::kFloat32));
+  torch::Tensor bias_f32;
+  if (bias.has_value()) bias_f32 = bias->to(torch::kFloat32).contiguous();
+  const Output out{y.data_ptr(), y.scalar_type(), bias.has_value() ? bias_f32.data_ptr<float>() : nullptr, out_features};
   if (rows > 0) {
-    float* out = y.data_ptr<float>();
     const void* weights = packed.data_ptr();
     switch (packed.scalar_type()) {
       case torch::kFloat32:
         if (isa >= kAvx512)
-          run(kAvx512Path<float>, x.data_ptr<float>(), K, rows, steps, static_cast<const float*>(weights), out_features, out);
+          run(kAvx512Path<float>, x.data_ptr<float>(), K, rows, steps, static_cast<const float*>(weights), out);
         else
-          run(kAvx2Path<float>, x.data_ptr<float>(), K, rows, steps, static_cast<const float*>(weights), out_features, out);
+          run(kAvx2Path<float>, x.data_ptr<float>(), K, rows, steps, static_cast<const float*>(weights), out);
         break;
       case torch::kBFloat16:
         if (dot)
           run(kPairsDotPath, reinterpret_cast<const uint32_t*>(x.data_ptr()), padded_k / 2, rows, steps,
-              static_cast<const uint32_t*>(weights), out_features, out);
+              static_cast<const uint32_t*>(weights), out);
         else if (pairs)
-          run(kPairsFmaPath, x.data_ptr<float>(), padded_k, rows, steps, static_cast<const uint32_t*>(weights),
-              out_features, out);
+          run(kPairsFmaPath, x.data_ptr<float>(), padded_k, rows, steps, static_cast<const uint32_t*>(weights), out);
         else
-          run(kAvx2Path<uint16_t>, x.data_ptr<float>(), K, rows, steps, static_cast<const uint16_t*>(weights),
-              out_features, out);
+          run(kAvx2Path<uint16_t>, x.data_ptr<float>(), K, rows, steps, static_cast<const uint16_t*>(weights), out);
         break;
       case torch::kHalf:
         if (isa >= kAvx512)
-          run(kAvx512Path<Half>, x.data_ptr<float>(), K, rows, steps, static_cast<const Half*>(weights), out_features, out);
+          run(kAvx512Path<Half>, x.data_ptr<float>(), K, rows, steps, static_cast<const Half*>(weights), out);
         else
-          run(kAvx2Path<Half>, x.data_ptr<float>(), K, rows, steps, static_cast<const Half*>(weights), out_features, out);
+          run(kAvx2Path<Half>, x.data_ptr<float>(), K, rows, steps, static_cast<const Half*>(weights), out);
         break;
       default:
         TORCH_CHECK(false, "row_block_linear: packed weights must be float32, bfloat16 or float16, got ",
                     packed.scalar_type());
     }
   }
-  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
   std::vector<int64_t> sizes = input.sizes().vec();
   sizes.back() = out_features;
-  return y.view(sizes).to(input.scalar_type());
+  return direct ? y.view(sizes) : y.view(sizes).to(in_dtype);
 }
 
 std::string cpu_isa() { return kIsaNames[kCpuIsa]; }
