@@ -4,6 +4,8 @@
     python benchmarks/row_block_rows.py --dtype bfloat16
     git show 0d2978d:dspark_hf/kernels/csrc/cpu_row_block_linear.cpp > /tmp/old.cpp
     python benchmarks/row_block_rows.py --baseline-source /tmp/old.cpp   # an older kernel beside it
+    mkdir /tmp/old && git archive REV dspark_hf/kernels/csrc | tar -x -C /tmp/old --strip-components 3
+    python benchmarks/row_block_rows.py --baseline-source /tmp/old        # a multi-file (later) version
     python benchmarks/row_block_rows.py --baseline-source /tmp/old.cpp --whole-step --rows 1 4 8
     python benchmarks/row_block_rows.py --compare-isa avx2    # the kernel's AVX2 path beside its widest
 
@@ -11,7 +13,8 @@ One pass runs every linear of a SmolLM2 decode step (30 layers x 7 projections a
 random weights of the real shapes, 540 MB in fp32) once on ``rows`` input rows, so weights stream
 from memory as in a step. This isolates the linears from the rest of the step
 (``benchmarks/verify_cost.py`` times whole forwards). ``--baseline-source`` builds another version
-of the kernel's C++ source under a separate name and times it interleaved with the current one,
+of the kernel's C++ source (one file, as until the CPU extension had several, or a folder holding the
+extension's sources) under a separate name and times it interleaved with the current one,
 round by round (medians), so kernel changes compare on the same machine moment.
 
 ``--whole-step`` times instead whole forwards of the real SmolLM2 prepared by ``optimize_for_cpu``
@@ -33,6 +36,7 @@ import functools
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -42,7 +46,7 @@ from transformers import DynamicCache
 from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment, describe_environment
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.kernels import cpu_row_block
+from dspark_hf.kernels import cpu_extension, cpu_row_block
 
 SMOLLM2_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30 + [
     (49152, 576)]
@@ -129,7 +133,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 7, 8, 12, 16])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--baseline-source", help="another cpu_row_block_linear.cpp to time beside the current one")
+    parser.add_argument("--baseline-source", help="another cpu_row_block_linear.cpp, or folder of the CPU "
+                        "extension's sources, to time beside the current one")
     parser.add_argument("--baseline-layout", choices=("plain", "current"), default="plain",
                         help="how the baseline kernel stores bfloat16 blocks (see above)")
     parser.add_argument("--compare-isa", choices=cpu_row_block.ISAS[:-1],
@@ -151,9 +156,13 @@ def main() -> None:
         packers[name] = functools.partial(cpu_row_block._pack_for_isa, isa=args.compare_isa)
         isas[name] = args.compare_isa
     if args.baseline_source:
-        module = cpp_extension.load(name="dspark_hf_row_block_baseline", sources=[args.baseline_source],
-                                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                    build_directory=tempfile.mkdtemp(prefix="row_block_baseline_"))
+        build_dir = Path(tempfile.mkdtemp(prefix="row_block_baseline_"))
+        if Path(args.baseline_source).is_dir():
+            module = cpu_extension.build_extension(Path(args.baseline_source), "dspark_hf_cpu_kernels_baseline", build_dir)
+        else:
+            module = cpp_extension.load(name="dspark_hf_row_block_baseline", sources=[args.baseline_source],
+                                        extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                        build_directory=str(build_dir))
         modules = {"baseline": module, **modules}
         if hasattr(module, "isa"):  # a kernel with instruction-set paths: the layout of the path it runs
             packers["baseline"] = functools.partial(cpu_row_block._pack_for_isa, isa=module.isa())

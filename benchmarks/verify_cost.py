@@ -5,6 +5,7 @@
     python benchmarks/verify_cost.py --compile mlp+norms --sizes 1 2 4 8 16   # a third model: compiled parts
     python benchmarks/verify_cost.py --compare-lean --sizes 1 2 4 8 16       # prepared without its lean forward
     python benchmarks/verify_cost.py --compare-onednn --sizes 1 2 4 8 16     # prepared with oneDNN's kernel only
+    python benchmarks/verify_cost.py --compare-sdpa --sizes 1 2 4 8 16       # prepared with SDPA's attention
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
@@ -35,6 +36,7 @@ from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
+from dspark_hf.kernels import cpu_attention
 from dspark_hf.kernels.cpu_attention import use_cpu_gqa_attention
 from dspark_hf.kernels.cpu_decoder import remove_lean_decoder
 
@@ -53,6 +55,19 @@ def _stepper(model, context, new_ids):
         return elapsed
 
     return step
+
+
+def _with_sdpa_attention(step):
+    """``step`` with the few-query attention kernel switched off around each call (SDPA attends instead)."""
+    def run(num_tokens: int) -> float:
+        saved = dict(cpu_attention._few_query_state)
+        cpu_attention._few_query_state.update(module=None, problem="switched off for --compare-sdpa")
+        try:
+            return step(num_tokens)
+        finally:
+            cpu_attention._few_query_state.update(saved)
+
+    return run
 
 
 def _compiled_copy(stock, parts: str):
@@ -90,6 +105,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--compare-invariant", action="store_true",
                         help="also time the model prepared with batch_invariant=True (each verified token gets the "
                              "logits of a one-token step, bit for bit), to show what that costs")
+    parser.add_argument("--compare-sdpa", action="store_true",
+                        help="also time the prepared model with SDPA's attention instead of the few-query kernel, "
+                             "to show what the kernel adds")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -109,6 +127,9 @@ def main(argv=None) -> dict:
         steppers["packed only"] = _stepper(packed_only, context, new_ids)
     if args.compare_onednn:
         steppers["oneDNN only"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), packed_kernel="onednn"), context, new_ids)
+    if args.compare_sdpa:
+        steppers["SDPA attention"] = _with_sdpa_attention(
+            _stepper(optimize_for_cpu(copy.deepcopy(stock)), context, new_ids))
     if args.compare_invariant:
         steppers["invariant"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), batch_invariant=True), context, new_ids)
     compile_seconds = None
@@ -137,7 +158,7 @@ def main(argv=None) -> dict:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
-    for name in ("packed only", "oneDNN only", "invariant", "compiled"):
+    for name in ("packed only", "oneDNN only", "SDPA attention", "invariant", "compiled"):
         if name in medians:
             print(f"B    {name} ms  {name} T(B)/T(1)  stock/{name}  {name}/prepared")
             for b in args.sizes:

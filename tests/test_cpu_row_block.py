@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dspark_hf.kernels.cpu_extension as cpu_extension
 import dspark_hf.kernels.cpu_fast_path as fast_path
 import dspark_hf.kernels.cpu_row_block as row_block
 from dspark_hf import optimize_for_cpu
@@ -162,17 +163,23 @@ def test_without_the_kernel_oneDNN_is_used_and_asking_for_it_says_why(unavailabl
     assert fast_path.measure_packed_kernel(torch.randn(24, 8), ("onednn", "row_block"))[0] == "onednn"
 
 
-def test_a_failed_build_is_remembered_and_logged(monkeypatch, caplog):
+@pytest.fixture
+def fresh_extension(monkeypatch):
+    """An extension not yet built, on a CPU and toolchain that pass the checks."""
     monkeypatch.setattr(row_block, "_state", {"module": None, "problem": None})
-    monkeypatch.setattr(row_block, "_cpu_problem", lambda: None)
-    monkeypatch.setattr(row_block, "cpp_toolchain_problem", lambda what: None)
+    monkeypatch.setattr(cpu_extension, "_state", {"module": None, "problem": None})
+    monkeypatch.setattr(cpu_extension, "_cpu_problem", lambda: None)
+    monkeypatch.setattr(cpu_extension, "cpp_toolchain_problem", lambda what: None)
+
+
+def test_a_failed_build_is_remembered_and_logged(fresh_extension, monkeypatch, caplog):
     attempts = []
 
     def failing_build(verbose=False):
         attempts.append(1)
         raise RuntimeError("compiler exploded")
 
-    monkeypatch.setattr(row_block, "_build", failing_build)
+    monkeypatch.setattr(cpu_extension, "build_extension", failing_build)
     with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_row_block"):
         reason = row_block.row_block_unavailable_reason()
         assert row_block.row_block_unavailable_reason() == reason  # not rebuilt on every call
@@ -183,7 +190,7 @@ def test_a_failed_build_is_remembered_and_logged(monkeypatch, caplog):
         row_block.load_kernel()
 
 
-def test_a_kernel_that_disagrees_with_f_linear_is_not_used(monkeypatch):
+def test_a_kernel_that_disagrees_with_f_linear_is_not_used(fresh_extension, monkeypatch):
     class Wrong:
         @staticmethod
         def row_block_linear(x, packed, out_features, bias):
@@ -192,10 +199,7 @@ def test_a_kernel_that_disagrees_with_f_linear_is_not_used(monkeypatch):
         cpu_isa = isa = staticmethod(lambda: "avx2")
         set_isa = staticmethod(lambda name: None)
 
-    monkeypatch.setattr(row_block, "_state", {"module": None, "problem": None})
-    monkeypatch.setattr(row_block, "_cpu_problem", lambda: None)
-    monkeypatch.setattr(row_block, "cpp_toolchain_problem", lambda what: None)
-    monkeypatch.setattr(row_block, "_build", lambda verbose=False: Wrong())
+    monkeypatch.setattr(cpu_extension, "build_extension", lambda verbose=False: Wrong())
     assert "different from F.linear" in row_block.row_block_unavailable_reason()
     assert not fast_path.row_block_usable(torch.float32)
     with pytest.raises(RuntimeError, match="different from F.linear"):  # a verbose rebuild is probed too
@@ -203,11 +207,11 @@ def test_a_kernel_that_disagrees_with_f_linear_is_not_used(monkeypatch):
 
 
 def test_machines_without_avx2_are_told_why(monkeypatch):
-    monkeypatch.setattr(row_block.platform, "machine", lambda: "aarch64")
-    assert "x86-64" in row_block._cpu_problem()
-    monkeypatch.setattr(row_block.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_extension.platform, "machine", lambda: "aarch64")
+    assert "x86-64" in cpu_extension._cpu_problem()
+    monkeypatch.setattr(cpu_extension.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert "AVX2" in row_block._cpu_problem()
+    assert "AVX2" in cpu_extension._cpu_problem()
 
 
 @needs_kernel

@@ -21,9 +21,19 @@ One more case is rerouted: a one-token step in bfloat16 or float16. SDPA's group
 regrouped under their key/value head (``(B, H, 1, D)`` viewed as ``(B, H_kv, H / H_kv, D)``, the same
 numbers: 139 against 33 µs per layer for SmolLM2 in bf16 on an AMD EPYC, 12% of a decode step); in
 float32 the broadcast was the faster, so float32 keeps it.
+
+Where the compiled CPU extension runs (:mod:`dspark_hf.kernels.cpu_extension`, x86 with AVX2), steps of
+up to :data:`FEW_QUERY_MAX_TOKENS` query tokens over a cache - decode steps and verify forwards - go
+to its few-query attention kernel instead of SDPA (``csrc/cpu_few_query_attention.cpp``): SDPA's CPU
+kernel is built for long sequences and pays a fixed cost per call that dwarfs one token's work. The
+kernel attends each query token alone over the keys its mask lets it see, so a verify of k tokens
+gives each the attention output of a one-token step bit for bit; against SDPA results agree within
+rounding (probed before first use; where the probe fails the reason is logged and SDPA runs).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +43,77 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.utils import logging
 
+from . import cpu_extension
+
 logger = logging.get_logger(__name__)
 
 CPU_GQA_ATTENTION = "sdpa_cpu_gqa"
 """The ``attn_implementation`` name under which the CPU grouped-query attention is registered."""
+
+
+FEW_QUERY_MAX_TOKENS = 16
+"""The most query tokens a step may have to use the few-query kernel (a prefill runs SDPA)."""
+_FEW_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_few_query_lock = threading.Lock()
+_few_query_state: dict = {"module": None, "problem": None}
+
+
+def few_query_unavailable_reason() -> str | None:
+    """Why the few-query attention kernel cannot run here (building and probing it on first call), or None."""
+    with _few_query_lock:
+        if _few_query_state["module"] is None and _few_query_state["problem"] is None:
+            module = cpu_extension.load_extension()
+            problem = cpu_extension.extension_problem()
+            if problem is None:
+                try:
+                    problem = _few_query_probe_problem(module)
+                except Exception as error:  # a build without this function
+                    problem = f"probing it failed ({type(error).__name__}: {str(error)[:300]})"
+            _few_query_state.update(module=None if problem else module, problem=problem)
+            if problem is not None:
+                logger.info("dspark_hf: the CPU few-query attention kernel is not used: %s; SDPA runs instead.", problem)
+        return _few_query_state["problem"]
+
+
+def _few_query_probe_problem(module) -> str | None:
+    generator = torch.Generator().manual_seed(0)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        query = torch.randn(2, 6, 3, 16, generator=generator).to(dtype)
+        key, value = (torch.randn(2, 2, 11, 16, generator=generator).to(dtype) for _ in range(2))
+        mask = torch.ones(2, 1, 3, 11, dtype=torch.bool).tril(diagonal=8)
+        mask[1, :, :, :4] = False  # left padding
+        got = module.few_query_attention(query, key, value, mask, 0.25)
+        expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                                  scale=0.25, enable_gqa=True).transpose(1, 2)
+        if got.shape != expected.shape or got.dtype != dtype or not torch.allclose(got.float(), expected, rtol=tolerance,
+                                                                                   atol=tolerance):
+            return f"it gave a result different from SDPA on a {dtype} probe"
+    return None
+
+
+def few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor | None:
+    """Attention of a few cached query tokens through the compiled kernel, as ``(B, L, H, D)``; None where
+    the call is not one it takes (then SDPA runs): more than :data:`FEW_QUERY_MAX_TOKENS` tokens, another
+    device or dtype, a head dim not a multiple of 8, several tokens without a mask, a mask that is not
+    boolean ``(B or 1, 1, L, T)`` over exactly the keys given, or no kernel here."""
+    tokens = query.shape[2]
+    if (query.device.type != "cpu" or query.dtype not in _FEW_QUERY_DTYPES or tokens > FEW_QUERY_MAX_TOKENS
+            or query.shape[-1] % 8 or key.dtype != query.dtype or query.shape[1] % key.shape[1]
+            or (attention_mask is None and tokens > 1)):
+        return None
+    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4
+                                       or attention_mask.shape[1] != 1 or attention_mask.shape[2] != tokens
+                                       or attention_mask.shape[0] not in (1, query.shape[0])):
+        return None
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
+        return None
+    if few_query_unavailable_reason() is not None:
+        return None
+    if attention_mask is not None and attention_mask.stride(-1) != 1:
+        attention_mask = attention_mask.contiguous()
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _few_query_state["module"].few_query_attention(query, key, value, attention_mask, scale)
 
 
 def cpu_gqa_sdpa_forward(
@@ -55,6 +132,10 @@ def cpu_gqa_sdpa_forward(
     call in half precision regroups the query heads under their key/value head."""
     groups = getattr(module, "num_key_value_groups", 1)
     special = any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))
+    if not special and not dropout:
+        output = few_query_attention(query, key, value, attention_mask, scaling)
+        if output is not None:
+            return output, None
     if groups > 1 and not special and query.device.type == "cpu" and query.shape[2] == 1 \
             and query.dtype in (torch.bfloat16, torch.float16) and key.shape[1] * groups == query.shape[1] \
             and (attention_mask is None or attention_mask.shape[1] == 1):
@@ -142,4 +223,5 @@ def use_cpu_gqa_attention(model: nn.Module) -> bool:
     return True
 
 
-__all__ = ["CPU_GQA_ATTENTION", "cpu_gqa_sdpa_forward", "cpu_gqa_unavailable_reason", "use_cpu_gqa_attention"]
+__all__ = ["CPU_GQA_ATTENTION", "FEW_QUERY_MAX_TOKENS", "cpu_gqa_sdpa_forward", "few_query_attention",
+           "few_query_unavailable_reason", "cpu_gqa_unavailable_reason", "use_cpu_gqa_attention"]

@@ -24,31 +24,24 @@ bits on AVX2 and AVX-512; VDPBF16PS flushes subnormals and may round a pair diff
 offers is checked on a probe before use).
 
 :func:`~dspark_hf.kernels.cpu_fast_path.optimize_for_cpu` measures this kernel against oneDNN's per
-weight shape and uses whichever is faster on the CPU at hand. Build: compiled with
-``torch.utils.cpp_extension.load`` on first use (about 30 s; needs a C++ compiler and ninja) and cached
-next to the CUDA op (:func:`dspark_hf.cache_dir.extension_dir`). Where it cannot be built or the CPU
-lacks AVX2/FMA, the oneDNN path is used and the reason is logged once."""
+weight shape and uses whichever is faster on the CPU at hand. Build: part of the compiled CPU extension
+(:mod:`dspark_hf.kernels.cpu_extension`, on first use). Where it cannot be built or the CPU lacks
+AVX2/FMA, the oneDNN path is used and the reason is logged once."""
 
 from __future__ import annotations
 
 import os
-import platform
 import threading
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from ..cache_dir import extension_dir
-from .build_tools import cpp_toolchain_problem
+from . import cpu_extension
 
 logger = logging.get_logger(__name__)
 
-EXTENSION_NAME = "dspark_hf_cpu_row_block"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_row_block_linear.cpp"
-BLOCK = 16  # output columns per block: two AVX2 registers
+BLOCK = 16  # output columns per block: two AVX2 registers, one AVX-512 register
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISAS = ("avx2", "avx512", "avx512_bf16")  # the kernel's paths, narrowest first
 ISA_ENV = "DSPARK_HF_ROW_BLOCK_ISA"
@@ -59,50 +52,24 @@ _lock = threading.Lock()
 _state: dict = {"module": None, "problem": None}
 
 
-def _cpu_problem() -> str | None:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"it is written for x86-64 and this machine is {platform.machine()}"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"it needs AVX2 and FMA, and torch reports this CPU's capability as {capability}"
-    return None
-
-
 def _load(verbose: bool = False):
-    """The compiled module, building (and probing) it on first use; None (reason in ``_state``) where that fails."""
+    """The compiled module, once it passed the probe (building it on first use); None (reason in ``_state``)
+    where that fails."""
     with _lock:
         if _state["module"] is not None or _state["problem"] is not None:
             return _state["module"]
-        problem = _cpu_problem() or cpp_toolchain_problem("the kernel")
+        module = cpu_extension.load_extension(verbose)
+        problem = cpu_extension.extension_problem()
         if problem is None:
             try:
-                _state["module"] = _build(verbose)
-                problem = _probe_problem(_state["module"]) or _pin_isa(_state["module"])
-            except Exception as error:  # compiler errors, missing headers, load failures
-                problem = (f"building it failed ({type(error).__name__}: {str(error)[:300]}); rerun "
-                           "dspark_hf.kernels.cpu_row_block.load_kernel(verbose=True) to see the compiler output")
+                problem = _probe_problem(module) or _pin_isa(module)
+            except Exception as error:  # a module from another build without these functions
+                problem = f"probing it failed ({type(error).__name__}: {str(error)[:300]})"
+        _state["module"] = None if problem is not None else module
+        _state["problem"] = problem
         if problem is not None:
-            _state["module"] = None
-            _state["problem"] = problem
             logger.info("dspark_hf: the CPU row-block linear kernel is not used: %s; oneDNN's kernel runs instead.", problem)
         return _state["module"]
-
-
-def _build(verbose: bool = False):
-    from torch.utils import cpp_extension
-
-    build_dir = extension_dir() / "cpu_row_block"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob(f"{EXTENSION_NAME}*.so")):
-        logger.warning("dspark_hf: compiling the CPU row-block linear kernel (first use only, about 30 s) in %s ...",
-                       build_dir)
-    start = time.perf_counter()
-    # -fopenmp: at::parallel_for splits work only when compiled with OpenMP; the library it links
-    # (libgomp.so.1) resolves to the one torch has already loaded.
-    module = cpp_extension.load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
-    logger.info("dspark_hf: CPU row-block linear kernel ready (%.1f s).", time.perf_counter() - start)
-    return module
 
 
 def _probe_problem(module) -> str | None:

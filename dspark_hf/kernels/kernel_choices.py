@@ -25,11 +25,12 @@ from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
 from .cpu_identity import cpu_isa_flags, cpu_model
+from .cpu_extension import SOURCE_FILES
 from .cpu_row_block import kernel_isa
 
 logger = logging.get_logger(__name__)
 
-_KERNEL_FILES = ("cpu_fast_path.py", "csrc/cpu_row_block_linear.cpp")
+_KERNEL_FILES = ("cpu_fast_path.py", "cpu_attention.py", *(f"csrc/{name}" for name in SOURCE_FILES))
 _unwritable: set[Path] = set()
 
 

@@ -30,7 +30,8 @@
 // the pair differently), so its outputs can differ from the FMA paths' in the last bit, never between
 // batch sizes.
 
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -41,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+namespace dspark_cpu {
 namespace {
 
 constexpr int64_t kBlock = 16;
@@ -342,6 +344,8 @@ void run(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, int64_t rows,
   });
 }
 
+}  // namespace
+
 // input [..., K] of any float dtype; packed [ceil(N/16), K, 16] (per-k layout) or, bfloat16 only,
 // [ceil(N/16), ceil(K/2), 32] (pair layout, AVX-512); returns [..., N] in input's dtype.
 torch::Tensor row_block_linear(const torch::Tensor& input, const torch::Tensor& packed, int64_t out_features,
@@ -420,11 +424,4 @@ void set_isa(const std::string& name) {
   TORCH_CHECK(false, "unknown row-block instruction set '", name, "' (avx2, avx512 or avx512_bf16)");
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("row_block_linear", &row_block_linear, "x @ W.T + b with W packed in 16-column blocks (AVX2 or AVX-512)");
-  m.def("cpu_isa", &cpu_isa, "the widest instruction set this CPU offers the kernel: avx2, avx512 or avx512_bf16");
-  m.def("isa", &isa, "the instruction set the kernel uses now");
-  m.def("set_isa", &set_isa, "use this instruction set (at most the CPU's) from now on");
-}
+}  // namespace dspark_cpu
