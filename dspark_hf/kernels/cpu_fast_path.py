@@ -21,10 +21,11 @@ Two packed kernels compete:
   supports the dtype on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``,
   ``..._fp16_supported()``: avx512-bf16 or AMX kernels), else as float32 copies, with their own probe.
 * the row-block kernel (:mod:`dspark_hf.kernels.cpu_row_block`): compiled on first use for x86 CPUs
-  with AVX2; weights in 16-column blocks in their own dtype, no fixed per-call cost, and a row's
-  result independent of its batch. On the AVX2-only Zen 3 SmolLM2's fp32 one-token step ran 1.30-1.55x
-  faster with it than with oneDNN's kernel in two runs (bf16 1.12-1.32x, without a float32 copy of
-  the weights; ``benchmarks/verify_cost.py --compare-onednn``).
+  with AVX2, with AVX-512 and AVX-512 BF16 paths where the CPU has them; weights in 16-column blocks in
+  their own dtype, no fixed per-call cost, and a row's result independent of its batch. On the
+  AVX2-only Zen 3 SmolLM2's fp32 one-token step ran 1.30-1.55x faster with it than with oneDNN's
+  kernel in two runs (bf16 1.12-1.32x, without a float32 copy of the weights); on an AVX-512 Zen 4
+  1.53x in fp32 and 1.74x in bf16 (``benchmarks/verify_cost.py --compare-onednn``).
 
 What stays the same: parameters (the packed copy is a plain attribute, not a parameter or buffer,
 so ``state_dict``/``save_pretrained`` write the ordinary weights), tied weights (the embedding
@@ -356,11 +357,12 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
     measures fastest for its shape on this CPU (see the module docstring for why and what it costs):
     oneDNN's packed kernel (float32; bfloat16 and float16 with oneDNN's kernels for them where this
     CPU has them, else through float32 copies, :func:`kernel_dtype`) or the row-block kernel
-    (:mod:`dspark_hf.kernels.cpu_row_block`: x86 with AVX2, weights kept in their own dtype, built on
-    first use); the number of input rows from which the packed kernel is used is measured too, so a
+    (:mod:`dspark_hf.kernels.cpu_row_block`: x86 with AVX2 or AVX-512, weights kept in their own dtype,
+    built on first use); the number of input rows from which the packed kernel is used is measured too, so a
     kernel that does not pay here is not used. A model on CPU whose attention has grouped key/value
     heads and runs on transformers' ``sdpa`` switches to an attention function that does not copy
-    the KV cache on multi-token steps (:mod:`dspark_hf.kernels.cpu_attention`;
+    the KV cache on multi-token steps and attends steps of up to 16 tokens with a compiled kernel,
+    each token as its one-token step would (:mod:`dspark_hf.kernels.cpu_attention`;
     ``model.set_attn_implementation("sdpa")`` undoes it). A Llama-style decoder on CPU (Llama,
     Mistral, Qwen2, Qwen3; full attention) then runs a lean forward: the same layers and arithmetic,
     bit for bit (probed), without the per-module call overhead (:mod:`dspark_hf.kernels.cpu_decoder`;

@@ -97,8 +97,8 @@ template <int64_t StepBytes> DSPARK_INLINE void prefetch_ahead(const void* step_
 // The span kernels: R rows x B column blocks over steps [s_begin, s_end) (a step is one k, or one pair of
 // k in the pair layout). Block b starts at block + b * stride; the accumulators start from and return to
 // acc[R][B][16], so a block can be walked in spans without changing any output's chain. One or two rows
-// take several blocks at once (B > 1): a single chain per output would otherwise wait on the FMA's
-// latency (one row of a 576x576 fp32 layer ran about as fast from L2 as from memory).
+// take several blocks at once (B > 1): with one block, one row is one or two chains of K dependent
+// multiply-adds, each waiting on the last one's latency, which a layer held in cache cannot hide.
 
 template <typename W, int R, int B, bool Prefetch>
 DSPARK_AVX2 void span_avx2(const float* x, int64_t ldx, const W* block, int64_t stride, int64_t k_begin, int64_t k_end,
