@@ -143,15 +143,28 @@ template <> DSPARK_INLINE DSPARK_AVX512 __m512 load16_512<Half>(const Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// The R x B accumulators of a span kernel from and back to acc[R][B][16].
+template <int R, int B>
+DSPARK_INLINE DSPARK_AVX512 void read_acc512(const float* acc, __m512 (&sums)[R][B]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) sums[r][b] = _mm512_loadu_ps(acc + (r * B + b) * kBlock);
+}
+template <int R, int B>
+DSPARK_INLINE DSPARK_AVX512 void write_acc512(const __m512 (&sums)[R][B], float* acc) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
+}
+
 // AVX-512, per-k layout (float32, float16).
 template <typename W, int R, int B, bool Prefetch>
 DSPARK_AVX512 void span_avx512(const float* x, int64_t ldx, const W* block, int64_t stride, int64_t k_begin,
                                int64_t k_end, float* acc) {
   __m512 sums[R][B];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) sums[r][b] = _mm512_loadu_ps(acc + (r * B + b) * kBlock);
+  read_acc512<R, B>(acc, sums);
   for (int64_t k = k_begin; k < k_end; ++k) {
     __m512 w[B];
 #pragma GCC unroll 4
@@ -166,10 +179,7 @@ DSPARK_AVX512 void span_avx512(const float* x, int64_t ldx, const W* block, int6
       for (int b = 0; b < B; ++b) sums[r][b] = _mm512_fmadd_ps(xk, w[b], sums[r][b]);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
+  write_acc512<R, B>(sums, acc);
 }
 
 // AVX-512, bfloat16 pairs with float32 inputs: k = 2p then k = 2p + 1, as an FMA chain.
@@ -177,10 +187,7 @@ template <int R, int B, bool Prefetch>
 DSPARK_AVX512 void span_pairs_fma(const float* x, int64_t ldx, const uint32_t* block, int64_t stride, int64_t p_begin,
                                   int64_t p_end, float* acc) {
   __m512 sums[R][B];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) sums[r][b] = _mm512_loadu_ps(acc + (r * B + b) * kBlock);
+  read_acc512<R, B>(acc, sums);
   for (int64_t p = p_begin; p < p_end; ++p) {
     __m512 even[B], odd[B];
 #pragma GCC unroll 4
@@ -197,10 +204,7 @@ DSPARK_AVX512 void span_pairs_fma(const float* x, int64_t ldx, const uint32_t* b
       for (int b = 0; b < B; ++b) sums[r][b] = _mm512_fmadd_ps(x_odd, odd[b], _mm512_fmadd_ps(x_even, even[b], sums[r][b]));
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
+  write_acc512<R, B>(sums, acc);
 }
 
 // AVX-512 BF16, bfloat16 pairs with bfloat16 inputs (x as pairs of k in 32-bit words): one VDPBF16PS per
@@ -209,10 +213,7 @@ template <int R, int B, bool Prefetch>
 DSPARK_AVX512_BF16 void span_pairs_dot(const uint32_t* x, int64_t ldx, const uint32_t* block, int64_t stride,
                                        int64_t p_begin, int64_t p_end, float* acc) {
   __m512 sums[R][B];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) sums[r][b] = _mm512_loadu_ps(acc + (r * B + b) * kBlock);
+  read_acc512<R, B>(acc, sums);
   for (int64_t p = p_begin; p < p_end; ++p) {
     __m512bh w[B];
 #pragma GCC unroll 4
@@ -227,10 +228,7 @@ DSPARK_AVX512_BF16 void span_pairs_dot(const uint32_t* x, int64_t ldx, const uin
       for (int b = 0; b < B; ++b) sums[r][b] = _mm512_dpbf16_ps(sums[r][b], w[b], xp);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
+  write_acc512<R, B>(sums, acc);
 }
 
 // ---- driver ------------------------------------------------------------------------------------------
