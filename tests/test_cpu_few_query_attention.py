@@ -80,6 +80,9 @@ def test_calls_it_does_not_take_are_left_to_sdpa():
     assert few_query_attention(many, torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16), wide_mask, None) is None
     odd = torch.randn(1, 4, 1, 12)
     assert few_query_attention(odd, torch.randn(1, 2, 5, 12), torch.randn(1, 2, 5, 12), None, None) is None
+    one = torch.randn(1, 4, 1, 16)
+    strided_key = torch.randn(1, 2, 16, 5).transpose(2, 3)  # head dim not contiguous
+    assert few_query_attention(one, strided_key, torch.randn(1, 2, 5, 16), None, None) is None
 
 
 def test_a_failing_probe_leaves_sdpa_with_a_logged_reason(monkeypatch, caplog):

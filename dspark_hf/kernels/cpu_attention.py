@@ -95,11 +95,13 @@ def few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor | None:
     """Attention of a few cached query tokens through the compiled kernel, as ``(B, L, H, D)``; None where
     the call is not one it takes (then SDPA runs): more than :data:`FEW_QUERY_MAX_TOKENS` tokens, another
-    device or dtype, a head dim not a multiple of 8, several tokens without a mask, a mask that is not
-    boolean ``(B or 1, 1, L, T)`` over exactly the keys given, or no kernel here."""
+    device or dtype, a head dim not a multiple of 8 or not contiguous, several tokens without a mask, a
+    mask that is not boolean ``(B or 1, 1, L, T)`` over exactly the keys given, or no kernel here."""
     tokens = query.shape[2]
     if (query.device.type != "cpu" or query.dtype not in _FEW_QUERY_DTYPES or tokens > FEW_QUERY_MAX_TOKENS
-            or query.shape[-1] % 8 or key.dtype != query.dtype or query.shape[1] % key.shape[1]
+            or query.shape[-1] % 8 or key.dtype != query.dtype or value.dtype != query.dtype
+            or query.shape[1] % key.shape[1] or key.shape != value.shape or key.shape[0] != query.shape[0]
+            or any(t.stride(-1) != 1 for t in (query, key, value))
             or (attention_mask is None and tokens > 1)):
         return None
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4
