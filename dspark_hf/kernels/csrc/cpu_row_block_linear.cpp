@@ -1,5 +1,5 @@
 // A small-batch linear kernel for x86 CPUs with AVX2 + FMA (+ F16C), and AVX-512 where the CPU has it,
-// built by dspark_hf/kernels/cpu_row_block.py.
+// built into the CPU extension by dspark_hf/kernels/cpu_extension.py (used by cpu_row_block.py).
 //
 // Decoding runs 1 to ~16 input rows through every weight matrix once per step, so the step streams
 // the weights from memory and should cost about the same for 1 row as for 8. The weight is stored in
@@ -14,7 +14,7 @@
 //   avx512_bf16 and bfloat16 inputs, VDPBF16PS multiplies the pair and adds it in one instruction.
 //
 // A group of rows keeps its accumulators in registers (AVX2: up to 6 rows x 2 registers; AVX-512: up
-// to 12 rows x 1); more rows take turns on each short k-span of the block while it sits in L1, so every
+// to 8 rows, 12 for bfloat16 pairs, x 1); more rows take turns on each short k-span of the block while it sits in L1, so every
 // weight is read from memory once per call at an even pace. Threads split the column blocks.
 //
 // With several rows the FMAs take long enough that the hardware prefetcher alone leaves the memory
