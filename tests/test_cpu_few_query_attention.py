@@ -72,6 +72,9 @@ def test_calls_it_does_not_take_are_left_to_sdpa():
     query, key, value = _inputs(1, 4, 2, 3, 10, 16, torch.float32)
     mask = _causal_mask(1, 3, 10)
     assert few_query_attention(query, key, value, None, None) is None  # several tokens need a mask
+    assert few_query_attention(query, key, value, mask, None) is not None  # (the call it does take)
+    assert few_query_attention(query, key, value, mask, None, 0.1) is None  # dropout
+    assert few_query_attention(query, key, value, mask, None, softcap=30.0) is None
     assert few_query_attention(query, key, value, mask.float(), None) is None  # an additive mask
     assert few_query_attention(query, key, value, mask[..., :9], None) is None  # not over exactly these keys
     assert few_query_attention(query.double(), key.double(), value.double(), mask, None) is None

@@ -91,14 +91,24 @@ def _few_query_probe_problem(module) -> str | None:
     return None
 
 
+_SPECIAL_KWARGS = ("position_bias", "softcap", "output_attentions")  # attention the kernels here do not do
+
+
+def _special(kwargs: dict) -> bool:
+    return any(kwargs.get(name) for name in _SPECIAL_KWARGS)
+
+
 def few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor | None:
+                        attention_mask: torch.Tensor | None, scaling: float | None, dropout: float = 0.0,
+                        **kwargs) -> torch.Tensor | None:
     """Attention of a few cached query tokens through the compiled kernel, as ``(B, L, H, D)``; None where
     the call is not one it takes (then SDPA runs): more than :data:`FEW_QUERY_MAX_TOKENS` tokens, another
     device or dtype, a head dim not a multiple of 8 or not contiguous, several tokens without a mask, a
-    mask that is not boolean ``(B or 1, 1, L, T)`` over exactly the keys given, or no kernel here."""
+    mask that is not boolean ``(B or 1, 1, L, T)`` over exactly the keys given, dropout, a softcap,
+    position bias or requested attention weights (``kwargs``), or no kernel here."""
     tokens = query.shape[2]
-    if (query.device.type != "cpu" or query.dtype not in _FEW_QUERY_DTYPES or tokens > FEW_QUERY_MAX_TOKENS
+    if (dropout or _special(kwargs) or query.device.type != "cpu" or query.dtype not in _FEW_QUERY_DTYPES
+            or tokens > FEW_QUERY_MAX_TOKENS
             or query.shape[-1] % 8 or key.dtype != query.dtype or value.dtype != query.dtype
             or query.shape[1] % key.shape[1] or key.shape != value.shape or key.shape[0] != query.shape[0]
             or any(t.stride(-1) != 1 for t in (query, key, value))
@@ -110,12 +120,15 @@ def few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         return None
     if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
         return None
-    if few_query_unavailable_reason() is not None:
-        return None
+    module = _few_query_state["module"]  # read without the lock: set once, on every decode step's path
+    if module is None:
+        if few_query_unavailable_reason() is not None:
+            return None
+        module = _few_query_state["module"]
     if attention_mask is not None and attention_mask.stride(-1) != 1:
         attention_mask = attention_mask.contiguous()
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return _few_query_state["module"].few_query_attention(query, key, value, attention_mask, scale)
+    return module.few_query_attention(query, key, value, attention_mask, scale)
 
 
 def cpu_gqa_sdpa_forward(
@@ -133,11 +146,10 @@ def cpu_gqa_sdpa_forward(
     call lets SDPA broadcast the heads instead of copying them with ``repeat_kv``, and a one-token
     call in half precision regroups the query heads under their key/value head."""
     groups = getattr(module, "num_key_value_groups", 1)
-    special = any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))
-    if not special and not dropout:
-        output = few_query_attention(query, key, value, attention_mask, scaling)
-        if output is not None:
-            return output, None
+    output = few_query_attention(query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if output is not None:
+        return output, None
+    special = _special(kwargs)
     if groups > 1 and not special and query.device.type == "cpu" and query.shape[2] == 1 \
             and query.dtype in (torch.bfloat16, torch.float16) and key.shape[1] * groups == query.shape[1] \
             and (attention_mask is None or attention_mask.shape[1] == 1):
@@ -220,8 +232,11 @@ def use_cpu_gqa_attention(model: nn.Module) -> bool:
         logger.warning("optimize_for_cpu: keeping transformers' sdpa attention: set_attn_implementation refused "
                        "%r (%s).", CPU_GQA_ATTENTION, error)
         return False
-    logger.info("optimize_for_cpu: attention runs grouped-query SDPA without repeat_kv copies (%r).",
-                CPU_GQA_ATTENTION)
+    # Build and probe the few-query kernel now, at prepare time, rather than in the first decode step.
+    few_query = few_query_unavailable_reason()
+    logger.info("optimize_for_cpu: attention runs grouped-query SDPA without repeat_kv copies (%r), %s.",
+                CPU_GQA_ATTENTION, "decode and verify steps through the few-query kernel" if few_query is None
+                else f"without the few-query kernel ({few_query})")
     return True
 
 

@@ -65,13 +65,11 @@ def row_invariant_sdpa_forward(
         # One token, a prefill (no cache: the same forward with or without a draft), or a mask kind
         # the per-token path does not know: unchanged.
         return cpu_gqa_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    special = any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))
-    if not special and not dropout:
-        # The few-query kernel attends each token alone over the keys it may see: one call does what the
-        # loop below does, with the same bits as the one-token steps (which go through it too).
-        output = few_query_attention(query, key, value, attention_mask, scaling)
-        if output is not None:
-            return output, None
+    # The few-query kernel attends each token alone over the keys it may see: one call does what the
+    # loop below does, with the same bits as the one-token steps (which go through it too).
+    output = few_query_attention(query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if output is not None:
+        return output, None
     # A one-token step gets no mask when nothing is padded (transformers skips an all-visible mask).
     padded = attention_mask is not None and not bool(attention_mask[:, :, -1, :].all())
     outputs = []

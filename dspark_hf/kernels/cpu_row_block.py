@@ -123,10 +123,11 @@ def supports_dtype(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
-def kernel_isa() -> str | None:
+def kernel_isa(build: bool = True) -> str | None:
     """The instruction set the kernel runs with here: ``"avx2"``, ``"avx512"`` or ``"avx512_bf16"``
-    (building it on first call); None where it cannot run."""
-    module = _load()
+    (building it on first call; with ``build=False`` None until something else has loaded it); None
+    where it cannot run."""
+    module = _load() if build else _state["module"]
     return None if module is None else module.isa()
 
 

@@ -45,7 +45,7 @@ def kernel_code_digest() -> str:
 def _environment() -> dict:
     return {"cpu_model": cpu_model(), "cpu_isa_flags": cpu_isa_flags(), "torch": torch.__version__,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_code": kernel_code_digest(),
-            "row_block_isa": kernel_isa()}
+            "row_block_isa": kernel_isa(build=False)}  # loaded wherever the row-block kernel is a candidate
 
 
 def choices_path() -> Path:
