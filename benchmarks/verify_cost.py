@@ -6,11 +6,16 @@
     python benchmarks/verify_cost.py --compare-lean --sizes 1 2 4 8 16       # prepared without its lean forward
     python benchmarks/verify_cost.py --compare-onednn --sizes 1 2 4 8 16     # prepared with oneDNN's kernel only
     python benchmarks/verify_cost.py --compare-sdpa --sizes 1 2 4 8 16       # prepared with SDPA's attention
+    python benchmarks/verify_cost.py --attention-baseline /tmp/old --sizes 1 8  # another build's attention kernel
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
 other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and
 stock/prepared are printed.
+
+``--attention-baseline DIR`` builds the CPU extension from another version's sources (a folder such as
+``git archive REV dspark_hf/kernels/csrc | tar -x -C DIR --strip-components 3`` makes) and times a
+prepared model whose few-query attention runs that build's kernel (its linears stay this version's).
 
 ``--compile`` adds a third model, the trial of compiling the step's small ops away: the stock model
 with the CPU grouped-query attention and ``torch.compile(..., dynamic=True)`` on each decoder
@@ -27,7 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -36,7 +43,7 @@ from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.kernels import cpu_attention
+from dspark_hf.kernels import cpu_attention, cpu_extension
 from dspark_hf.kernels.cpu_attention import use_cpu_gqa_attention
 from dspark_hf.kernels.cpu_decoder import remove_lean_decoder
 
@@ -57,11 +64,12 @@ def _stepper(model, context, new_ids):
     return step
 
 
-def _with_sdpa_attention(step):
-    """``step`` with the few-query attention kernel switched off around each call (SDPA attends instead)."""
+def _with_attention_kernel(step, module):
+    """``step`` with the few-query attention kernel of ``module`` (an extension build) around each call;
+    None switches the kernel off (SDPA attends instead)."""
     def run(num_tokens: int) -> float:
         saved = dict(cpu_attention._few_query_state)
-        cpu_attention._few_query_state.update(module=None, problem="switched off for --compare-sdpa")
+        cpu_attention._few_query_state.update(module=module, problem=None if module else "switched off")
         try:
             return step(num_tokens)
         finally:
@@ -108,6 +116,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--compare-sdpa", action="store_true",
                         help="also time the prepared model with SDPA's attention instead of the few-query kernel, "
                              "to show what the kernel adds")
+    parser.add_argument("--attention-baseline", metavar="DIR",
+                        help="also time the prepared model with the few-query attention kernel built from this folder "
+                             "of CPU extension sources (another version)")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -128,8 +139,13 @@ def main(argv=None) -> dict:
     if args.compare_onednn:
         steppers["oneDNN only"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), packed_kernel="onednn"), context, new_ids)
     if args.compare_sdpa:
-        steppers["SDPA attention"] = _with_sdpa_attention(
-            _stepper(optimize_for_cpu(copy.deepcopy(stock)), context, new_ids))
+        steppers["SDPA attention"] = _with_attention_kernel(
+            _stepper(optimize_for_cpu(copy.deepcopy(stock)), context, new_ids), None)
+    if args.attention_baseline:
+        baseline = cpu_extension.build_extension(Path(args.attention_baseline), "dspark_hf_cpu_kernels_baseline",
+                                                 Path(tempfile.mkdtemp(prefix="attention_baseline_")))
+        steppers["baseline attention"] = _with_attention_kernel(
+            _stepper(optimize_for_cpu(copy.deepcopy(stock)), context, new_ids), baseline)
     if args.compare_invariant:
         steppers["invariant"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), batch_invariant=True), context, new_ids)
     compile_seconds = None
@@ -158,7 +174,7 @@ def main(argv=None) -> dict:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
-    for name in ("packed only", "oneDNN only", "SDPA attention", "invariant", "compiled"):
+    for name in ("packed only", "oneDNN only", "SDPA attention", "baseline attention", "invariant", "compiled"):
         if name in medians:
             print(f"B    {name} ms  {name} T(B)/T(1)  stock/{name}  {name}/prepared")
             for b in args.sizes:

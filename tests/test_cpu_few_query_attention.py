@@ -129,3 +129,30 @@ def test_a_prepared_model_takes_its_cached_steps_through_the_kernel(dtype, monke
     assert calls == [5, 5]  # both layers' 5-token verify step; the 12-token prefill stays on SDPA
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     assert torch.allclose(results[1], results[0], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_thread_count_does_not_change_the_numbers(dtype):
+    # Threads change how the queries of a key/value head are blocked (and whether a bfloat16 head is
+    # widened once for several blocks or on the fly); no query's arithmetic may change with it.
+    query, key, value = _inputs(2, 12, 3, 5, 41, 32, dtype, seed=4)
+    mask = _causal_mask(2, 5, 41, padding=(0, 7))
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3, 4):  # blocks of 3 queries, and of 2 with 4 threads
+            torch.set_num_threads(count)
+            outputs.append(few_query_attention(query, key, value, mask, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+def test_a_nan_key_makes_its_row_nan_as_in_sdpa():
+    query, key, value = _inputs(1, 4, 2, 2, 9, 8, torch.float32)
+    key[0, 1, 3, 0] = float("nan")  # seen by both tokens of the query heads 2 and 3
+    got = few_query_attention(query, key, value, _causal_mask(1, 2, 9), None)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=_causal_mask(1, 2, 9),
+                                              enable_gqa=True).transpose(1, 2)
+    assert torch.isnan(expected[:, :, 2:]).all() and not torch.isnan(expected[:, :, :2]).any()
+    assert torch.isnan(got[:, :, 2:]).all() and not torch.isnan(got[:, :, :2]).any()
