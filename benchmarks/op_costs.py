@@ -8,9 +8,12 @@
 * ``F.rms_norm`` at 1 and 8 rows of 576 against one elementwise add (the lean forward's norm);
 * one layer's attention (9 query heads over 3 key/value heads, head dim 64, 256 cached tokens):
   one token without a mask, and 8 tokens with the boolean causal mask, with the same mask made
-  additive, and without a mask.
+  additive, and without a mask;
+* where the CPU extension builds: the lean decoder's compiled RMSNorm (8 rows of 576, fp32 and bf16)
+  against transformers' ``LlamaRMSNorm`` and torch's ``rms_norm``, and its compiled rotation of one
+  layer's queries and keys (8 tokens) against the rolled rotation's PyTorch ops.
 
-fp32, medians of interleaved rounds of call loops; µs per call.
+fp32 unless named, medians of interleaved rounds of call loops; µs per call.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
+from dspark_hf.kernels import cpu_extension
+from dspark_hf.kernels.cpu_decoder import rms_norm_kernel_lanes
 
 
 def _cases() -> dict:
@@ -53,7 +59,36 @@ def _cases() -> dict:
         "attention, 8 tokens, bool mask": lambda: sdpa(query8, key8, value8, attn_mask=mask, enable_gqa=True),
         "attention, 8 tokens, additive mask": lambda: sdpa(query8, key8, value8, attn_mask=additive, enable_gqa=True),
         "attention, 8 tokens, no mask": lambda: sdpa(query8, key8, value8, enable_gqa=True),
+        **_kernel_cases(generator),
     }
+
+
+def _kernel_cases(generator) -> dict:
+    kernels = cpu_extension.load_extension()
+    if kernels is None:
+        return {}
+    lanes = rms_norm_kernel_lanes(LlamaRMSNorm(576))
+    cases = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+        rows = torch.randn(1, 8, 576, generator=generator).to(dtype)
+        cases[f"RMSNorm {name}, 8 rows: transformers"] = lambda norm=norm, rows=rows: norm(rows)
+        if dtype == torch.float32:
+            cases["RMSNorm float32, 8 rows: torch rms_norm"] = lambda norm=norm, rows=rows: F.rms_norm(
+                rows, (576,), norm.weight, 1e-5)
+        if lanes:
+            cases[f"RMSNorm {name}, 8 rows: kernel"] = lambda norm=norm, rows=rows: kernels.rms_norm(
+                rows, norm.weight, 1e-5, lanes)
+        query = torch.randn(1, 8, 9, 64, generator=generator).to(dtype).transpose(1, 2)
+        key = torch.randn(1, 8, 3, 64, generator=generator).to(dtype).transpose(1, 2)
+        cos, sin = (torch.randn(1, 8, 64, generator=generator).to(dtype) for _ in range(2))
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        cases[f"rotation {name}, 8 tokens: PyTorch ops"] = lambda q=query, k=key, c=c, s=s: (
+            q * c + q.roll(32, -1) * s, k * c + k.roll(32, -1) * s)
+        cases[f"rotation {name}, 8 tokens: kernel"] = lambda q=query, k=key, c=cos, s=sin: kernels.rotary_embedding(
+            q, k, c, s)
+    return cases
 
 
 def main(argv=None) -> dict:
@@ -76,10 +111,10 @@ def main(argv=None) -> dict:
                     cases[name]()
                 times[name].append((time.perf_counter() - start) / args.calls * 1e6)
     environment = capture_environment()
-    print(f"{environment['cpu_model']}, {environment['torch_threads']} threads, fp32; µs per call")
+    print(f"{environment['cpu_model']}, {environment['torch_threads']} threads, fp32 unless named; µs per call")
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, value in medians.items():
-        print(f"{name:38s} {value:8.1f}")
+        print(f"{name:42s} {value:8.1f}")
     result = {"us_per_call": medians, "environment": environment, "args": vars(args)}
     write_json_result(result, args.out)
     return result

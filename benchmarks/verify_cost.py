@@ -7,6 +7,7 @@
     python benchmarks/verify_cost.py --compare-onednn --sizes 1 2 4 8 16     # prepared with oneDNN's kernel only
     python benchmarks/verify_cost.py --compare-sdpa --sizes 1 2 4 8 16       # prepared with SDPA's attention
     python benchmarks/verify_cost.py --attention-baseline /tmp/old --sizes 1 8  # another build's attention kernel
+    python benchmarks/verify_cost.py --compare-lean-ops --sizes 1 8           # norms and rotation as PyTorch ops
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
@@ -43,7 +44,7 @@ from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.kernels import cpu_attention, cpu_extension
+from dspark_hf.kernels import cpu_attention, cpu_decoder, cpu_extension
 from dspark_hf.kernels.cpu_attention import use_cpu_gqa_attention
 from dspark_hf.kernels.cpu_decoder import remove_lean_decoder
 
@@ -116,6 +117,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--compare-sdpa", action="store_true",
                         help="also time the prepared model with SDPA's attention instead of the few-query kernel, "
                              "to show what the kernel adds")
+    parser.add_argument("--compare-lean-ops", action="store_true",
+                        help="also time the prepared model with its lean forward's norms and rotation run as PyTorch "
+                             "ops instead of the compiled calls, to show what those add")
     parser.add_argument("--attention-baseline", metavar="DIR",
                         help="also time the prepared model with the few-query attention kernel built from this folder "
                              "of CPU extension sources (another version)")
@@ -146,6 +150,11 @@ def main(argv=None) -> dict:
                                                  Path(tempfile.mkdtemp(prefix="attention_baseline_")))
         steppers["baseline attention"] = _with_attention_kernel(
             _stepper(optimize_for_cpu(copy.deepcopy(stock)), context, new_ids), baseline)
+    if args.compare_lean_ops:
+        lean_ops = optimize_for_cpu(copy.deepcopy(stock))
+        plan = lean_ops.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
+        plan.rotary_kernel, plan.norm_kernel_lanes = False, 0
+        steppers["lean ops"] = _stepper(lean_ops, context, new_ids)
     if args.compare_invariant:
         steppers["invariant"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), batch_invariant=True), context, new_ids)
     compile_seconds = None
@@ -174,7 +183,8 @@ def main(argv=None) -> dict:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
-    for name in ("packed only", "oneDNN only", "SDPA attention", "baseline attention", "invariant", "compiled"):
+    for name in ("packed only", "oneDNN only", "lean ops", "SDPA attention", "baseline attention", "invariant",
+                 "compiled"):
         if name in medians:
             print(f"B    {name} ms  {name} T(B)/T(1)  stock/{name}  {name}/prepared")
             for b in args.sizes:

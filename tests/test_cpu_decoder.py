@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import dspark_hf.kernels.cpu_decoder as cpu_decoder
+from dspark_hf.kernels import cpu_extension
 from dspark_hf import optimize_for_cpu
 from dspark_hf.kernels.cpu_decoder import remove_lean_decoder, use_lean_decoder, uses_lean_decoder
 from generation_helpers import left_pad
@@ -65,6 +66,8 @@ def test_lean_forward_equals_the_stock_forward_bit_for_bit(arch, dtype, lean_lay
     plan = lean.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
     assert plan.roll_rotary  # the shortcuts are part of what is compared
     assert plan.fused_norm == (dtype == torch.float32)  # torch's bf16 rms_norm rounds after the weight
+    if cpu_extension.extension_problem() is None:  # and so are the compiled norm and rotation
+        assert plan.rotary_kernel and plan.norm_kernel_lanes in (8, 16)
     ids = torch.randint(1, 48, (2, 14), generator=torch.Generator().manual_seed(1))
     for kwargs in ({}, {"output_hidden_states": True}, {"output_hidden_states": [0, 2, -1]},
                    {"output_hidden_states": [1]}):

@@ -25,9 +25,10 @@ from .build_tools import cpp_toolchain_problem
 logger = logging.get_logger(__name__)
 
 EXTENSION_NAME = "dspark_hf_cpu_kernels"
-SOURCE_NAMES = ("cpu_bindings.cpp", "cpu_row_block_linear.cpp", "cpu_few_query_attention.cpp")
+SOURCE_NAMES = ("cpu_bindings.cpp", "cpu_row_block_linear.cpp", "cpu_few_query_attention.cpp", "cpu_rms_norm.cpp",
+                "cpu_rotary.cpp")
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCE_FILES = ("cpu_kernels.h", *SOURCE_NAMES)  # all that the build reads
+SOURCE_FILES = ("cpu_kernels.h", "cpu_vec_avx2.h", *SOURCE_NAMES)  # all that the build reads
 
 _lock = threading.Lock()
 _state: dict = {"module": None, "problem": None}
@@ -53,10 +54,14 @@ def build_extension(source_dir: Path = SOURCE_DIR, name: str = EXTENSION_NAME, b
     if not any(build_dir.glob(f"{name}*.so")):
         logger.warning("dspark_hf: compiling the CPU kernels (first use only, about 40 s) in %s ...", build_dir)
     start = time.perf_counter()
+    # -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for an FMA (the
+    # rotary kernel must round as PyTorch's separate ops do).
     # -fopenmp: at::parallel_for splits work only when compiled with OpenMP; the library it links
     # (libgomp.so.1) resolves to the one torch has already loaded.
-    module = cpp_extension.load(name=name, sources=[str(Path(source_dir) / s) for s in SOURCE_NAMES],
-                                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+    # Another version's folder builds the sources it has (its bindings name only its own functions).
+    names = SOURCE_NAMES if Path(source_dir) == SOURCE_DIR else sorted(p.name for p in Path(source_dir).glob("cpu_*.cpp"))
+    module = cpp_extension.load(name=name, sources=[str(Path(source_dir) / s) for s in names],
+                                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
                                 build_directory=str(build_dir), verbose=verbose)
     logger.info("dspark_hf: CPU kernels ready (%.1f s).", time.perf_counter() - start)
     return module
@@ -81,10 +86,16 @@ def load_extension(verbose: bool = False):
         return _state["module"]
 
 
+def loaded_extension():
+    """The module if it is already built and loaded, else None; takes no lock and builds nothing (for
+    per-step paths that were set up by :func:`load_extension` at prepare time)."""
+    return _state["module"]
+
+
 def extension_problem() -> str | None:
     """Why the extension cannot be used here (building it on first call), or None when it can."""
     load_extension()
     return _state["problem"]
 
 
-__all__ = ["build_extension", "extension_problem", "load_extension"]
+__all__ = ["build_extension", "extension_problem", "load_extension", "loaded_extension"]

@@ -9,4 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &dspark_cpu::set_isa, "use this row-block path (at most the CPU's) from now on");
   m.def("few_query_attention", &dspark_cpu::few_query_attention,
         "attention of a few query tokens over a KV cache, each token alone (AVX2 + FMA)");
+  m.def("rms_norm", &dspark_cpu::rms_norm,
+        "transformers' RMSNorm with PyTorch's roundings and summation order (lanes: its vector width)");
+  m.def("rotary_embedding", &dspark_cpu::rotary_embedding,
+        "query and key rotated: x * cos + roll(x, D/2) * signed_sin, rounded as PyTorch's separate ops (AVX2)");
 }

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include "cpu_kernels.h"
+#include "cpu_vec_avx2.h"
 
 #include <cmath>
 #include <cstdint>
@@ -31,18 +32,7 @@
 namespace dspark_cpu {
 namespace {
 
-#define DSPARK_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define DSPARK_INLINE inline __attribute__((always_inline))
-
-// 8 elements widened to float32.
-DSPARK_INLINE DSPARK_AVX2 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-DSPARK_INLINE DSPARK_AVX2 __m256 load8(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-DSPARK_INLINE DSPARK_AVX2 __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+using vec::load8;
 
 DSPARK_INLINE DSPARK_AVX2 float sum8(__m256 v) {
   const __m128 pairs = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -265,29 +255,10 @@ DSPARK_AVX2 void attend_block(const float* q, int64_t D, const T* k, int64_t k_s
   sum_values<NQ, T>(v, v_stride, D, scores, keys, inverse, sums);
 }
 
-// out[0 .. D-1] = row rounded to T: bfloat16 8 at a time with c10's rounding (to nearest even, NaN to
-// 0x7FC0; the scalar conversion cost about 10% of a bfloat16 call), float16 through c10::Half.
+// out[0 .. D-1] = row rounded to T (c10's rounding: to nearest even).
 template <typename T>
 DSPARK_AVX2 void store_row(const float* row, int64_t D, T* out) {
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
-}
-template <>
-DSPARK_AVX2 void store_row<float>(const float* row, int64_t D, float* out) {
-  std::copy(row, row + D, out);
-}
-template <>
-DSPARK_AVX2 void store_row<c10::BFloat16>(const float* row, int64_t D, c10::BFloat16* out) {
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), quiet_nan = _mm256_set1_epi32(0x7FC0);
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 x = _mm256_loadu_ps(row + d);
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, lsb)), 16);
-    rounded = _mm256_blendv_epi8(rounded, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-    // 8 x 32-bit -> 8 x 16-bit: pack within 128-bit lanes, then gather the two lanes' halves
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0b1000);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), _mm256_castsi256_si128(packed));
-  }
+  for (int64_t d = 0; d < D; d += 8) vec::store8(out + d, _mm256_loadu_ps(row + d));
 }
 
 // rows [T, D] (row stride `stride`) widened to float32 into out [T, D].

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 
 namespace dspark_cpu {
 
@@ -17,5 +18,12 @@ void set_isa(const std::string& name);
 // cpu_few_query_attention.cpp
 torch::Tensor few_query_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                   const c10::optional<torch::Tensor>& mask, double scale);
+
+// cpu_rms_norm.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, int64_t lanes);
+
+// cpu_rotary.cpp
+std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(const torch::Tensor& query, const torch::Tensor& key,
+                                                          const torch::Tensor& cos, const torch::Tensor& signed_sin);
 
 }  // namespace dspark_cpu
