@@ -1,12 +1,13 @@
-"""Where a prepared target's step goes: the packed linears, the LM head, and everything else.
+"""Where a prepared target's step goes: the packed linears, the LM head, the attention kernel, and the rest.
 
     python benchmarks/step_split.py                      # SmolLM2-135M-Instruct, fp32, B = 1 and 8
     python benchmarks/step_split.py --dtype bfloat16 --sizes 1 2 4 8 16 --repeats 15
 
 One forward of B new tokens on a cached 256-token context (the verify forward's shape), with every
-packed linear layer timed from Python around its call; "rest" is the step minus the linears: the
-norms, rotary, attention, cache update, activations and the loop itself. The per-call timer adds
-about a microsecond to each of the ~211 linear calls, counted in the linears. Sizes are interleaved,
+packed linear layer and each call of the few-query attention kernel (where it runs) timed from
+Python around it; "rest" is the step minus those: the norms, rotary, cache update, activations,
+residual adds and the loop itself. The per-call timer adds about a microsecond to each of the ~211
+linear and 30 attention calls, counted in them. Sizes are interleaved,
 in reverse order every other round; medians.
 """
 
@@ -23,6 +24,7 @@ from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
+from dspark_hf.kernels import cpu_attention
 from dspark_hf.kernels.cpu_fast_path import PackedLinear
 
 
@@ -38,7 +40,7 @@ def main(argv=None) -> dict:
     model, _ = load_smollm2(getattr(torch, args.dtype))
     optimize_for_cpu(model)
     head = model.get_output_embeddings()
-    seconds = {"linears": 0.0, "lm_head": 0.0}
+    seconds = {"linears": 0.0, "lm_head": 0.0, "attention": 0.0}
     packed_forward = PackedLinear.forward
 
     def timed_forward(self, x):
@@ -52,32 +54,47 @@ def main(argv=None) -> dict:
     new_ids = torch.randint(0, model.config.vocab_size, (1, max(args.sizes)), generator=generator)
     cache = DynamicCache(config=model.config)
     samples = {size: [] for size in args.sizes}
+    attention_state = cpu_attention._few_query_state
+    kernels = attention_state["module"]
+
+    class TimedKernels:  # the extension module with its attention call timed
+        def few_query_attention(self, *args):
+            start = time.perf_counter()
+            out = kernels.few_query_attention(*args)
+            seconds["attention"] += time.perf_counter() - start
+            return out
+
     PackedLinear.forward = timed_forward
+    if kernels is not None:
+        attention_state["module"] = TimedKernels()
     try:
         with torch.inference_mode():
             model(input_ids=context, cache=cache)
             for turn in range(args.repeats + 2):  # the first two rounds warm up
                 for size in args.sizes if turn % 2 == 0 else args.sizes[::-1]:
-                    seconds["linears"] = seconds["lm_head"] = 0.0
+                    seconds.update(linears=0.0, lm_head=0.0, attention=0.0)
                     start = time.perf_counter()
                     model(input_ids=new_ids[:, :size], cache=cache, logits_to_keep=size)
                     whole = time.perf_counter() - start
                     cache.crop(-size)
                     if turn >= 2:
-                        samples[size].append((whole, seconds["linears"], seconds["lm_head"]))
+                        samples[size].append((whole, seconds["linears"], seconds["lm_head"], seconds["attention"]))
     finally:
         PackedLinear.forward = packed_forward
+        attention_state["module"] = kernels
 
     environment = capture_environment()
     print(f"{environment['cpu_model']}, {args.dtype}, context {args.context}, {environment['torch_threads']} threads, "
           f"{args.repeats} rounds; ms")
-    print("B    step  linears  lm_head   rest  rest share")
+    print("B    step  linears  lm_head  attention   rest  rest share")
     table = {}
     for size in args.sizes:
-        whole, linears, lm_head = (1000 * statistics.median(s[i] for s in samples[size]) for i in range(3))
-        rest = whole - linears - lm_head
-        table[size] = {"step_ms": whole, "linears_ms": linears, "lm_head_ms": lm_head, "rest_ms": rest}
-        print(f"{size:<4d} {whole:5.1f}  {linears:7.1f}  {lm_head:7.1f}  {rest:5.1f}  {rest / whole:10.0%}")
+        whole, linears, lm_head, attention = (1000 * statistics.median(s[i] for s in samples[size]) for i in range(4))
+        rest = whole - linears - lm_head - attention
+        table[size] = {"step_ms": whole, "linears_ms": linears, "lm_head_ms": lm_head, "attention_ms": attention,
+                       "rest_ms": rest}
+        print(f"{size:<4d} {whole:5.1f}  {linears:7.1f}  {lm_head:7.1f}  {attention:9.1f}  {rest:5.1f}  "
+              f"{rest / whole:10.0%}")
     result = {"split_ms": table, "environment": environment, "args": vars(args)}
     write_json_result(result, args.out)
     return result

@@ -299,8 +299,8 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
   at::parallel_for(0, B * kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_rows(kMaxBlock * D), score_rows(kMaxBlock * (T_keys + 8)), sum_rows(kMaxBlock * D);
     // bfloat16 / float16 keys and values widened once per head for the thread's blocks of it (exact, so the
-    // numbers are those of widening them on the fly, as a head with one block here does)
-    // (kept per thread: fresh 100 KB buffers every call cost page faults)
+    // numbers are those of widening them on the fly, as a head with few queries here does); the buffers
+    // live on with the thread because fresh 100 KB allocations every call cost page faults.
     thread_local std::vector<float> wide_keys, wide_values;
     int64_t widened = -1;
     for (int64_t unit = begin; unit < end; ++unit) {
