@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import dspark_hf.kernels.cpu_attention as cpu_attention
 from dspark_hf import DSparkDraftModel, optimize_for_cpu
@@ -134,3 +134,25 @@ def test_batched_dspark_with_a_prepared_target_equals_the_stock_target_per_row()
         expected = alone[0, len(prompt):].tolist()
         assert out[i, width:width + len(expected)].tolist() == expected, f"row {i}"
     assert draft.last_generation_stats.accepted_tokens > 0
+
+
+@pytest.mark.skipif(cpu_attention.few_query_unavailable_reason() is not None, reason="few-query kernel unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_without_grouped_heads_gets_the_few_query_kernel(dtype):
+    # One key/value head per query head: nothing to regroup, but decode and verify steps still go to the
+    # kernel, so each verified token gets its one-token step's bits as with grouped heads.
+    stock = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4)).eval().to(dtype)
+    prepared = optimize_for_cpu(copy.deepcopy(stock))
+    assert prepared.config._attn_implementation == CPU_GQA_ATTENTION
+    ids = torch.randint(1, 48, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = stock(ids).logits
+        cache = DynamicCache(config=prepared.config)
+        prepared(ids[:, :8], cache=cache)
+        together = prepared(ids[:, 8:], cache=cache).logits
+        cache.crop(-4)
+        alone = torch.cat([prepared(ids[:, i:i + 1], cache=cache).logits for i in range(8, 12)], dim=1)
+    assert torch.equal(together, alone)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(together.float(), expected[:, 8:].float(), atol=tolerance, rtol=tolerance)

@@ -28,7 +28,8 @@ to its few-query attention kernel instead of SDPA (``csrc/cpu_few_query_attentio
 kernel is built for long sequences and pays a fixed cost per call that dwarfs one token's work. The
 kernel attends each query token alone over the keys its mask lets it see, so a verify of k tokens
 gives each the attention output of a one-token step bit for bit; against SDPA results agree within
-rounding (probed before first use; where the probe fails the reason is logged and SDPA runs).
+rounding (probed before first use; where the probe fails the reason is logged and SDPA runs). For that
+kernel a model with one key/value head per query head (no grouping) is switched too.
 """
 
 from __future__ import annotations
@@ -206,22 +207,25 @@ def _has_grouped_kv_heads(config) -> bool:
 
 
 def use_cpu_gqa_attention(model: nn.Module) -> bool:
-    """Switches a transformers model on ``sdpa`` attention with grouped KV heads to
-    :data:`CPU_GQA_ATTENTION`; returns whether the model uses it afterwards. A logged no-op for
-    other models (other attention implementations, no grouped heads, attention layers that do not
-    dispatch through transformers' ``AttentionInterface``, such as DSpark drafts, which already
-    call SDPA with ``enable_gqa``)."""
+    """Switches a transformers model on ``sdpa`` attention to :data:`CPU_GQA_ATTENTION` where that
+    helps: with grouped KV heads always, with one key/value head per query head (MHA) where the few-query
+    kernel runs here (it then takes decode and verify steps; everything else is transformers' ``sdpa``
+    unchanged). Returns whether the model uses it afterwards. A logged no-op for other models (other
+    attention implementations, attention layers that do not dispatch through transformers'
+    ``AttentionInterface``, such as DSpark drafts, which already call SDPA with ``enable_gqa``)."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current == CPU_GQA_ATTENTION:
         return True
     # Only models whose attention layers dispatch through AttentionInterface can take the switch.
     dispatches = getattr(model, "_supports_attention_backend", False) and hasattr(model, "set_attn_implementation")
-    if current != "sdpa" or not dispatches or not _has_grouped_kv_heads(config):
+    grouped = config is not None and _has_grouped_kv_heads(config)
+    if current != "sdpa" or not dispatches or not (grouped or few_query_unavailable_reason() is None):
         logger.info("optimize_for_cpu: attention left as it is (implementation %r, AttentionInterface: %s, grouped "
-                    "KV heads: %s).", current, bool(dispatches), config is not None and _has_grouped_kv_heads(config))
+                    "KV heads: %s, few-query kernel: %s).", current, bool(dispatches), grouped,
+                    few_query_unavailable_reason() or "available")
         return False
-    unavailable = cpu_gqa_unavailable_reason()
+    unavailable = cpu_gqa_unavailable_reason() if grouped else None
     if unavailable is not None:
         logger.warning("optimize_for_cpu: keeping transformers' sdpa attention: %s.", unavailable)
         return False
@@ -234,8 +238,9 @@ def use_cpu_gqa_attention(model: nn.Module) -> bool:
         return False
     # Build and probe the few-query kernel now, at prepare time, rather than in the first decode step.
     few_query = few_query_unavailable_reason()
-    logger.info("optimize_for_cpu: attention runs grouped-query SDPA without repeat_kv copies (%r), %s.",
-                CPU_GQA_ATTENTION, "decode and verify steps through the few-query kernel" if few_query is None
+    logger.info("optimize_for_cpu: attention runs %r (%s), %s.", CPU_GQA_ATTENTION,
+                "grouped-query SDPA without repeat_kv copies" if grouped else "one key/value head per query head",
+                "decode and verify steps through the few-query kernel" if few_query is None
                 else f"without the few-query kernel ({few_query})")
     return True
 
