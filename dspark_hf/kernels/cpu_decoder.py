@@ -16,12 +16,11 @@ call (float32; each norm is checked on random inputs) and a rolled rotation for 
 (``(-a) * b == a * (-b)`` exactly). Where dspark_hf's CPU extension builds, the norms and the
 rotation run as single compiled calls with PyTorch's own roundings and summation order
 (``csrc/cpu_rms_norm.cpp``, ``csrc/cpu_rotary.cpp``): each replaces 7-9 small ops whose dispatch cost
-far more than their arithmetic (SmolLM2 steps of 1-16 tokens 7-16% faster in bf16 and 0-6% in fp32,
+far more than their arithmetic (SmolLM2 steps of 1-16 tokens 4-16% faster in bf16 and 0-6% in fp32,
 where torch's fused ``rms_norm`` already served, on a 2-core Zen 4: ``benchmarks/verify_cost.py
---compare-lean-ops``).
-The norm's summation width is the one that reproduces this torch build on random rows, and is not
-used where none does. A probe runs a prefill and
-two cached steps both ways and requires equal outputs bit for bit: if the shortcuts differ the
+--compare-lean-ops``). The norm's summation width is the one that reproduces this torch build on
+random rows, and the kernel is not used where none does. A probe runs a prefill and two cached steps
+both ways and requires equal outputs bit for bit: if the shortcuts differ the
 model's own norm and rotary functions are used; if the loop still differs it is not installed
 (logged).
 
@@ -303,8 +302,8 @@ def use_lean_decoder(model: nn.Module) -> bool:
         reason = _probe_difference(base)
         if reason is not None and (plan.fused_norm or plan.roll_rotary):
             # One of the shortcuts differs here: the model's own norm and rotary functions must agree.
-            logger.info("optimize_for_cpu: the lean forward's fused norm and rolled rotation differ here (%s); "
-                        "it calls the model's own instead.", reason)
+            logger.info("optimize_for_cpu: the lean forward's norm and rotation shortcuts (fused or compiled) differ "
+                        "here (%s); it calls the model's own instead.", reason)
             plan.fused_norm = plan.roll_rotary = plan.rotary_kernel = False
             plan.norm_kernel_lanes = 0
             reason = _probe_difference(base)
