@@ -186,8 +186,8 @@ def test_a_shortcut_that_differs_falls_back_to_the_models_own_functions(monkeypa
     remove_lean_decoder(model)
     original = cpu_decoder._rotate
 
-    def skewed(plan, query, key, cos, sin, signed_sin):  # a rolled rotation that is off: caught by the probe
-        query, key = original(plan, query, key, cos, sin, signed_sin)
+    def skewed(plan, query, key, cos, sin, signed_sin, kernel):  # a rolled rotation that is off: caught by the probe
+        query, key = original(plan, query, key, cos, sin, signed_sin, kernel)
         return (query * (1 + 1e-3), key) if signed_sin is not None else (query, key)
 
     monkeypatch.setattr(cpu_decoder, "_rotate", skewed)

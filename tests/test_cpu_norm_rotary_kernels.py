@@ -1,8 +1,11 @@
 """The lean decoder's compiled norm and rotation: PyTorch's own results bit for bit, and the norm used
 only with the summation width that reproduces this torch build."""
 
+import copy
+
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import dspark_hf.kernels.cpu_decoder as cpu_decoder
@@ -88,5 +91,26 @@ def test_rotary_kernel_refuses_what_it_cannot_rotate():
     model = random_target("llama", num_layers=1)
     plan = cpu_decoder._LeanPlan(model.model)
     assert plan.rotary_kernel
-    out_query, out_key = cpu_decoder._rotate(plan, query, key, cos, cos, cos)
+    kernel = cpu_decoder._rotary_kernel(plan, cos, cos)  # what the lean forward passes for these tables
+    assert kernel is None
+    out_query, out_key = cpu_decoder._rotate(plan, query, key, cos, cos, cos, kernel)
     assert torch.equal(out_query, query * cos.unsqueeze(1) + query.roll(12, -1) * cos.unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_forward_rotates_through_the_kernel_with_the_stock_bits(dtype, monkeypatch):
+    # Head dim 16: the kernel takes the rotation (the other tests' tiny models have head dim 8, which it refuses).
+    stock = random_target("llama", hidden_size=64, num_layers=2).to(dtype)
+    lean = copy.deepcopy(stock)
+    assert cpu_decoder.use_lean_decoder(lean)
+    used = []
+    original = cpu_decoder._rotary_kernel
+    monkeypatch.setattr(cpu_decoder, "_rotary_kernel", lambda *a: used.append(original(*a)) or used[-1])
+    ids = torch.randint(1, 48, (1, 11), generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for model in (stock, lean):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            outputs.append([model(ids[:, :8], cache=cache).logits, model(ids[:, 8:], cache=cache).logits])
+    assert used and all(kernel is not None for kernel in used)
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))

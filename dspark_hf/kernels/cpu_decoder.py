@@ -174,15 +174,21 @@ def _norm(plan: _LeanPlan, norm: nn.Module, hidden_states: torch.Tensor) -> torc
     return norm.forward(hidden_states)
 
 
-def _rotate(plan: _LeanPlan, query, key, cos, sin, signed_sin):
+def _rotary_kernel(plan: _LeanPlan, cos: torch.Tensor, signed_sin: torch.Tensor | None):
+    """The compiled rotation for this step's tables (checked once per step, not per layer), or None."""
+    kernels = cpu_extension.loaded_extension() if plan.rotary_kernel and signed_sin is not None else None
+    if (kernels is None or cos.device.type != "cpu" or cos.dtype not in _KERNEL_DTYPES or cos.dim() != 3
+            or cos.shape[-1] % 16 or signed_sin.dtype != cos.dtype or cos.stride(-1) != 1 or signed_sin.stride(-1) != 1):
+        return None
+    return kernels.rotary_embedding
+
+
+def _rotate(plan: _LeanPlan, query, key, cos, sin, signed_sin, rotary_kernel):
     if signed_sin is None:
         return plan.apply_rotary(query, key, cos, sin)
-    kernels = cpu_extension.loaded_extension() if plan.rotary_kernel else None
-    if (kernels is not None and query.device.type == "cpu" and query.dtype in _KERNEL_DTYPES
-            and query.shape[-1] % 16 == 0 and key.dtype == cos.dtype == signed_sin.dtype == query.dtype
-            and cos.dim() == 3 and cos.stride(-1) == 1 and signed_sin.stride(-1) == 1
+    if (rotary_kernel is not None and query.dtype == key.dtype == cos.dtype and query.shape[-1] == cos.shape[-1]
             and query.stride(-1) == 1 and key.stride(-1) == 1):
-        return kernels.rotary_embedding(query, key, cos, signed_sin)
+        return rotary_kernel(query, key, cos, signed_sin)
     cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)
     half = query.shape[-1] // 2
     return (query * cos + query.roll(half, -1) * signed_sin), (key * cos + key.roll(half, -1) * signed_sin)
@@ -243,7 +249,7 @@ def _lean_forward(base: nn.Module, *args, **kwargs) -> BaseModelOutputWithPast:
     cos, sin = base.rotary_emb.forward(hidden_states, position_ids=position_ids)
     half = sin.shape[-1] // 2
     signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1) if plan.roll_rotary else None
-    rotary = (cos, sin, signed_sin)
+    rotary = (cos, sin, signed_sin, _rotary_kernel(plan, cos, signed_sin))
 
     collected = [] if selected is not False else None
     if collected is not None:

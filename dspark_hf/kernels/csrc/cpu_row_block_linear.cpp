@@ -31,6 +31,7 @@
 // batch sizes.
 
 #include "cpu_kernels.h"
+#include "cpu_vec_avx2.h"  // DSPARK_AVX2, DSPARK_INLINE
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -49,10 +50,8 @@ constexpr int64_t kBlock = 16;
 constexpr int64_t kSpanK = 32;  // k-steps per span when several row groups share a block
 constexpr int64_t kPrefetchBytes = 2048;
 
-#define DSPARK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define DSPARK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define DSPARK_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
-#define DSPARK_INLINE inline __attribute__((always_inline))
 
 enum Isa : int { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 const char* const kIsaNames[] = {"avx2", "avx512", "avx512_bf16"};

@@ -1,4 +1,4 @@
-// 8-element AVX2 loads and stores shared by the CPU kernels: float32, bfloat16 and float16 rows widened
+// The target attributes of the CPU kernels' AVX2 code, and 8-element AVX2 loads and stores they share: float32, bfloat16 and float16 rows widened
 // to float32, and float32 rounded back the way PyTorch rounds (to nearest, ties to even).
 #pragma once
 
@@ -33,7 +33,8 @@ DSPARK_INLINE DSPARK_AVX2 __m256i bf16_bits(__m256 x) {
 DSPARK_INLINE DSPARK_AVX2 void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 DSPARK_INLINE DSPARK_AVX2 void store8(c10::BFloat16* p, __m256 x) {
   // 8 x 32-bit -> 8 x 16-bit: pack within 128-bit lanes, then gather the two lanes' halves
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(x), bf16_bits(x)), 0b1000);
+  const __m256i bits = bf16_bits(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 DSPARK_INLINE DSPARK_AVX2 void store8(c10::Half* p, __m256 x) {
