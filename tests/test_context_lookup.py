@@ -187,7 +187,7 @@ class PeekingGenerator(candidate_generator.DSparkCandidateGenerator):
     def get_candidates(self, input_ids, *args, **kwargs):
         candidates, logits = super().get_candidates(input_ids, *args, **kwargs)
         cur_len = input_ids.shape[1]
-        if logits is not None and int(candidates[0, cur_len]) == 0:
+        if candidates.shape[1] > cur_len and logits is not None and int(candidates[0, cur_len]) == 0:
             proposal = ContextLookup(max_tokens=3).propose(input_ids[0], candidates.shape[1] - cur_len)
             if proposal is not None:
                 self.plan.lengths[0] = proposal.tokens.numel()

@@ -68,6 +68,7 @@ from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, cut_after_
 from .sampling import serial_sample
 from .serial_block import draw_categorical
 from .settings import resolve_settings
+from .verification import speculative_accept
 from .stopping import first_stops, positional_criteria
 
 SEQUENCE_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
@@ -143,54 +144,6 @@ def _check_sliding_window(cache: DynamicCache, max_tokens: int, longest_proposal
             "result would differ from the target alone. Lower max_new_tokens or the prompt length to stay "
             "below half the window, or generate one prompt at a time (batch size 1 has no such limit)."
         )
-
-
-
-def _speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, target_logits: torch.Tensor,
-                        draft_logits: torch.Tensor | None, draft_rows: torch.Tensor | None):
-    """Per-row speculative sampling (Leviathan et al.).
-
-    Args:
-        proposed: the proposed tokens, (R, K); row r proposes its first ``lengths[r]``.
-        lengths: (R,).
-        target_logits: the target's processed logits at the anchor and every proposed slot, (R, K + 1, V).
-        draft_logits: the exact logits the drafted rows' tokens were drawn from, (D, K_d, V).
-        draft_rows: which rows those are, (D,). Every other row's proposal is deterministic (a
-            context-lookup copy): ``q`` is one-hot at its token.
-
-    Returns:
-        (accepted ``n_r``, next token) per row. Position k is kept with probability
-        ``min(1, p/q)``; after a rejection the next token comes from ``norm(max(0, p - q))``, which
-        for a one-hot ``q`` is ``p`` without the rejected token; after a full acceptance from ``p``.
-    """
-    rows, width = proposed.shape
-    p = torch.softmax(target_logits, dim=-1)
-    if width == 0:
-        return torch.zeros(rows, dtype=torch.long, device=p.device), draw_categorical(p[:, 0])
-    row_index = torch.arange(rows, device=p.device)
-    p_tok = p[:, :width].gather(-1, proposed[..., None]).squeeze(-1)
-    q_tok = torch.ones_like(p_tok)
-    drafted = draft_rows is not None and draft_rows.numel() > 0
-    if drafted:
-        q = torch.softmax(draft_logits, dim=-1)
-        drafted_width = min(width, q.shape[1])
-        q_tok[draft_rows, :drafted_width] = q[:, :drafted_width].gather(
-            -1, proposed[draft_rows, :drafted_width, None]).squeeze(-1)
-    # u < p/q without dividing by 0; strict, so a token the target gives probability 0 is never kept.
-    accept = torch.rand(rows, width, device=p.device) * q_tok < p_tok
-    accept &= torch.arange(width, device=p.device)[None] < lengths[:, None]
-    accepted = accept.int().cumprod(dim=1).sum(dim=1)
-    p_next = p[row_index, accepted]
-    at = accepted.clamp(max=width - 1)
-    q_next = torch.zeros_like(p_next).scatter_(-1, proposed[row_index, at][:, None], 1.0)
-    if drafted:
-        q_next[draft_rows] = q[torch.arange(draft_rows.numel(), device=p.device),
-                               accepted[draft_rows].clamp(max=drafted_width - 1)]
-    residual = (p_next - q_next).clamp(min=0)
-    residual_sum = residual.sum(-1, keepdim=True)
-    use_residual = (accepted < lengths)[:, None] & (residual_sum > 0)
-    distribution = torch.where(use_residual, residual / residual_sum.clamp(min=1e-30), p_next)
-    return accepted, draw_categorical(distribution)
 
 
 class BatchedDSparkGeneration:
@@ -397,7 +350,7 @@ class BatchedDSparkGeneration:
         proposed = verify_ids[:, 1:]
         if self.do_sample:
             draft_logits = plan.sample.logits.to(self.device) if plan.sample is not None else None
-            return _speculative_accept(proposed, lengths, target_logits, draft_logits, plan.draft_rows)
+            return speculative_accept(proposed, lengths, target_logits, draft_logits, plan.draft_rows)
         choice = target_logits.argmax(-1)
         slots = torch.arange(proposed.shape[1], device=self.device)
         match = (proposed == choice[:, :-1]) & (slots[None] < lengths[:, None])

@@ -14,7 +14,9 @@ number of accepted tokens. One round here:
    ``[x0, MASK * (gamma - 1)]``;
 5. serial sampling (Markov bias, logits processors) interleaved with the verify policy, which
    sees ``c_k`` before ``x_k`` is drawn and ends the block at its first refusal (0 tokens allowed);
-6. return ``input_ids + x_1..x_keep`` and the logits those tokens were drawn from.
+6. return ``input_ids + x_1..x_keep`` and the logits those tokens were drawn from (in sampled
+   calls a point mass for a lookup copy, and empty logits for a plain step, so that every sampled
+   round is verified with one draw: :mod:`dspark_hf.decoding.verification`).
 
 The round is a :class:`~dspark_hf.decoding.rounds.RoundPlan` with one row, and its budget, source,
 verified length and record are decided by :class:`~dspark_hf.decoding.rounds.RoundDecisions`, as in the
@@ -40,6 +42,7 @@ from ..model.modeling_dspark import DSparkDraftModel
 from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, RoundStats
 from .sampling import serial_sample
 from .settings import resolve_settings
+from .verification import point_mass_logits, sampled_verification_active
 
 
 # Most target positions whose features wait for the draft's next run before they are fed anyway
@@ -191,15 +194,28 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._collect_context(input_ids, model_kwargs or {}, model_outputs)
         if self.chooser is not None:
             self.rounds.choose_sources(plan, [self.chooser], [input_ids[0]])
-        if plan.lookups:  # the draft forward is skipped; a lookup copy goes with no logits (a deterministic draft)
-            tokens = plan.lookups[0].tokens[None, : plan.lengths[0]].to(input_ids.device)
-            candidates, logits = torch.cat([input_ids, tokens], dim=1), None
+        if plan.lookups:  # the draft forward is skipped
+            tokens = plan.lookups[0].tokens[: plan.lengths[0]].to(input_ids.device)
+            candidates, logits = torch.cat([input_ids, tokens[None]], dim=1), self._lookup_logits(tokens)
         elif self.rounds.drafting_rows(plan):
             candidates, logits = self._draft_round(input_ids, plan)
         else:  # the target still runs one forward: a plain step
-            candidates, logits = input_ids, None
+            candidates, logits = input_ids, self._no_candidate_logits()
         plan.verify_start = time.perf_counter()
         return candidates, logits
+
+    def _lookup_logits(self, tokens: torch.LongTensor) -> torch.Tensor | None:
+        """A lookup copy is a deterministic draft: greedy rounds need no logits; sampled rounds
+        verify it as a point mass, so transformers does not draw every position with
+        ``torch.multinomial`` (see :mod:`dspark_hf.decoding.verification`)."""
+        return point_mass_logits(tokens, self.draft.config.vocab_size) if self.do_sample else None
+
+    def _no_candidate_logits(self) -> torch.Tensor | None:
+        """A round without candidates: empty logits let DSpark's verification draw its token in
+        sampled calls (transformers' own ``_speculative_sampling`` cannot take them)."""
+        if self.do_sample and sampled_verification_active():
+            return torch.empty(1, 0, self.draft.config.vocab_size, device=self.device)
+        return None
 
     def _draft_round(self, input_ids: torch.LongTensor, plan: RoundPlan) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Draft forward and serial sampling (interleaved with an incremental policy); the verified
@@ -230,7 +246,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.rounds.admit(plan)
         keep = plan.lengths[0]
         if keep == 0:
-            return input_ids, None
+            return input_ids, self._no_candidate_logits()
         candidates = torch.cat([input_ids, sample.tokens[:, :keep].to(input_ids.device)], dim=1)
         return candidates, sample.logits[:, :keep]
 

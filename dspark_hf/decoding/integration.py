@@ -5,6 +5,8 @@ _get_candidate_generator`` is a fixed if/elif chain. :func:`install_dspark_dispa
 three other private methods, once, each with its own ``wrap_*`` function, and every wrapper only
 acts when the assistant's config is a DSpark/DFlash draft config (recognised by content, since Hub
 remote code makes other class objects). Every other call goes to the original method unchanged.
+Batch-1 sampled rounds are verified by :mod:`dspark_hf.decoding.verification` (one draw a round
+instead of transformers' ``torch.multinomial`` at every position).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..model.configuration_dspark import is_dspark_config
 from .settings import dspark_kwargs_of_call, mark_call_settings, refuse_lossy_settings
 from ..scheduling.shared_cost import profile_rewrites_per_call
 from .stopping import DeferredStreamer, ExactStopping, cut_output, positional_criteria
+from .verification import dspark_sampled_verification, install_sampled_verification
 
 _EXPECTED_PARAMETERS = (
     "generation_config",
@@ -191,8 +194,10 @@ def wrap_assisted_decoding(original):
         # A drifting live cost model rewrites its cache file once, when this call ends.
         with profile_rewrites_per_call():
             if input_ids.shape[0] == 1:
-                return _decode_one(original, self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                   synced_gpus, streamer, inputs_tensor, assistant_model, model_kwargs)
+                with dspark_sampled_verification():  # sampled rounds drawn once each (verification.py)
+                    return _decode_one(original, self, input_ids, logits_processor, stopping_criteria,
+                                       generation_config, synced_gpus, streamer, inputs_tensor, assistant_model,
+                                       model_kwargs)
             return _decode_batch(self, draft, input_ids, logits_processor, stopping_criteria, generation_config,
                                  streamer, model_kwargs)
 
@@ -261,8 +266,10 @@ def install_dspark_dispatch() -> None:
 
     Four private methods of ``GenerationMixin`` are wrapped, each by its ``wrap_*`` function above;
     a method already wrapped is left alone, and each wrapper keeps the original in
-    ``__wrapped_original__``.
+    ``__wrapped_original__``. transformers' ``_speculative_sampling`` is routed to DSpark's
+    verification inside batch-1 DSpark calls (:func:`~dspark_hf.decoding.verification.install_sampled_verification`).
     """
+    install_sampled_verification()
     pending = [(name, wrap) for name, wrap in _WRAPPERS if not getattr(getattr(GenerationMixin, name), _MARKER, False)]
     if not pending:
         return

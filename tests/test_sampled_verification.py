@@ -1,0 +1,150 @@
+"""Batch-1 sampled rounds are verified by dspark_hf's speculative sampling, one draw a round.
+
+The rule itself is checked against its exact distribution (every accepted length and next token
+enumerated), for a drafted proposal, a point-mass (lookup) proposal and a round without one; the
+same samples against a wrong rule must fail, which shows the test's power. Whole generations go
+through it without a single ``torch.multinomial`` call, and transformers' own assisted generation
+outside DSpark calls keeps transformers' function and draws.
+"""
+
+import threading
+
+import pytest
+import torch
+
+import dspark_hf  # noqa: F401  (installs the dispatch)
+import transformers.generation.utils as generation_utils
+from dspark_hf.decoding import verification
+from dspark_hf.decoding.verification import (dspark_sampled_verification, is_sampled_verification_installed,
+                                             point_mass_logits, sampled_verification_active, verify_sampled_round)
+from tiny_models import bigram_target, markov_draft
+
+DRAWS = 12000
+P = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.6, 0.1, 0.1, 0.1], [0.3, 0.3, 0.2, 0.1, 0.1]])
+Q = torch.tensor([[0.2, 0.5, 0.1, 0.1, 0.1], [0.1, 0.2, 0.3, 0.3, 0.1]])
+PROPOSED = torch.tensor([1, 1])  # p/q = 0.4 at the first position, 3 at the second
+
+
+def _logits(probs):
+    return torch.log(probs.clamp_min(1e-30)).masked_fill(probs == 0, float("-inf"))
+
+
+def _exact(p, q, proposed, residual_rule=True):
+    """P(n kept, next token y) for a fixed proposal: keep position k with min(1, p/q), then draw
+    from norm(max(0, p - q)) after a rejection (from p when ``residual_rule`` is False: wrong)."""
+    exact, survive = {}, 1.0
+    for k, x in enumerate(proposed.tolist()):
+        keep = min(1.0, (p[k, x] / q[k, x]).item()) if q[k, x] > 0 else 1.0
+        after = (p[k] - q[k]).clamp(min=0) if residual_rule else p[k]
+        after = after / after.sum()
+        for y in range(p.shape[1]):
+            exact[(k, y)] = survive * (1 - keep) * after[y].item()
+        survive *= keep
+    for y in range(p.shape[1]):
+        exact[(len(proposed), y)] = survive * p[len(proposed), y].item()
+    return exact
+
+
+def _counts(q_logits, proposed, p_logits):
+    torch.manual_seed(0)
+    ids = torch.cat([torch.tensor([[3, 4]]), proposed[None]], dim=1)
+    counts = {}
+    for _ in range(DRAWS):
+        valid, n = verify_sampled_round(ids, q_logits, proposed.numel(), p_logits)
+        n = int(n)
+        assert valid.shape == (1, n + 1) and valid[0, :n].tolist() == proposed[:n].tolist()
+        counts[(n, int(valid[0, n]))] = counts.get((n, int(valid[0, n])), 0) + 1
+    return counts
+
+
+def _p_value(counts, exact):
+    chi2, cells = 0.0, 0
+    for cell, prob in exact.items():
+        if prob < 1e-12:
+            assert cell not in counts, f"drew {cell}, which has probability 0"
+            continue
+        chi2 += (counts.get(cell, 0) - DRAWS * prob) ** 2 / (DRAWS * prob)
+        cells += 1
+    return torch.special.gammaincc(torch.tensor((cells - 1) / 2.0), torch.tensor(chi2 / 2.0)).item()
+
+
+@pytest.mark.parametrize("proposal", ["drafted", "point mass", "none"])
+def test_verification_draws_the_exact_distribution_and_a_wrong_rule_is_detected(proposal):
+    if proposal == "drafted":
+        q, q_logits, proposed = Q, _logits(Q)[None], PROPOSED
+    elif proposal == "point mass":
+        proposed = torch.tensor([0, 1])
+        q_logits = point_mass_logits(proposed, P.shape[1])
+        q = torch.softmax(q_logits[0], -1)
+        assert torch.equal(q, torch.nn.functional.one_hot(proposed, P.shape[1]).float())
+    else:
+        q, q_logits, proposed = Q[:0], torch.empty(1, 0, P.shape[1]), PROPOSED[:0]
+    p = P[len(P) - proposed.numel() - 1:]
+    counts = _counts(q_logits, proposed, _logits(p)[None])
+    assert _p_value(counts, _exact(p, q, proposed)) > 1e-3
+    if proposal != "none":  # with nothing proposed there is no residual to get wrong
+        assert _p_value(counts, _exact(p, q, proposed, residual_rule=False)) < 1e-6
+
+
+TARGET = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.7, 0.3, 0.0, 0.0], [0.1, 0.3, 0.3, 0.3], [0.6, 0.1, 0.1, 0.2]])
+DRAFT = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.3, 0.3, 0.2, 0.2]])
+
+
+def _count_multinomial(monkeypatch):
+    calls = []
+    original = torch.multinomial
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", counting)
+    return calls
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_sampled_dspark_generation_verifies_every_round_with_one_categorical_draw(monkeypatch, lookup):
+    assert is_sampled_verification_installed()
+    target = bigram_target(torch.log(TARGET.clamp_min(1e-12)))
+    draft = markov_draft(target, torch.log(DRAFT.clamp_min(1e-12)), block_size=3)
+    rounds = []
+    monkeypatch.setattr(verification, "verify_sampled_round",
+                        lambda *a, _f=verification.verify_sampled_round: rounds.append(a[2]) or _f(*a))
+    calls = _count_multinomial(monkeypatch)
+    prompt = torch.tensor([[0, 1, 2, 3, 2, 0, 3, 1, 2]])
+    torch.manual_seed(0)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=True, assistant_model=draft,
+                          prompt_lookup_num_tokens=lookup)
+    stats = draft.last_generation_stats
+    # The prefill's token is transformers' one draw with torch.multinomial; every later round is ours.
+    assert len(calls) == 1, calls
+    assert len(rounds) == stats.num_rounds >= 5
+    kinds = {r.source for r in stats.rounds}
+    assert out.shape[1] > prompt.shape[1] and ("lookup" in kinds) == (lookup > 0), kinds
+
+
+def test_transformers_assisted_generation_outside_dspark_keeps_its_own_verification(monkeypatch):
+    target = bigram_target(torch.log(TARGET.clamp_min(1e-12)))
+    prompt = torch.tensor([[0, 1, 2, 3, 2, 0, 3, 1, 2]])
+
+    def lookup_generation():
+        torch.manual_seed(1)
+        return target.generate(prompt, max_new_tokens=24, do_sample=True, prompt_lookup_num_tokens=3)
+
+    calls = _count_multinomial(monkeypatch)
+    routed = lookup_generation()
+    assert len(calls) > 1  # transformers draws every round itself
+    monkeypatch.setattr(generation_utils, "_speculative_sampling",
+                        generation_utils._speculative_sampling.__wrapped_original__)
+    assert torch.equal(routed, lookup_generation())  # same draws, same tokens as without dspark_hf
+
+
+def test_the_dspark_mark_belongs_to_the_call_and_its_thread():
+    assert not sampled_verification_active()
+    seen = []
+    with dspark_sampled_verification():
+        assert sampled_verification_active()
+        thread = threading.Thread(target=lambda: seen.append(sampled_verification_active()))
+        thread.start()
+        thread.join()
+    assert seen == [False] and not sampled_verification_active()
