@@ -1,0 +1,153 @@
+"""What verifying a sampled batch-1 round costs: transformers' draws against DSpark's.
+
+    python benchmarks/sampled_verification.py --dtype float32 --out results/sampled_verification_zen4_float32.json
+
+``step``: one verification at V = 49,152 (SmolLM2's vocabulary) with 0, 3 and 10 proposed tokens:
+transformers' ``_assisted_decoding`` draws every position with ``torch.multinomial`` when the round
+has no draft logits (a lookup copy, a plain step), and ``_speculative_sampling`` (one multinomial
+row) when it has; DSpark's :func:`~dspark_hf.decoding.verification.verify_sampled_round` draws once.
+Medians of interleaved repeats, ms.
+
+``generate``: T = 1 generation of the prepared SmolLM2 target alone, DSpark as it is, and DSpark
+with the previous verification (transformers' function, lookup copies and plain steps handed over
+without logits), interleaved prompt by prompt in a rotating order; tokens per second per variant
+over the same prompts. Sampled outputs differ between variants by design (other draws).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import transformers.generation.utils as generation_utils
+
+from dspark_hf import DSparkDraftModel, optimize_for_cpu
+from dspark_hf.benchmarks.environment import capture_environment
+from dspark_hf.benchmarks.measuring import write_json_result
+from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
+from dspark_hf.chat_text import chat_prompt_ids
+from dspark_hf.decoding.candidate_generator import DSparkCandidateGenerator
+from dspark_hf.decoding.verification import point_mass_logits, verify_sampled_round
+from dspark_hf.demo_target import load_smollm2
+
+VOCAB = 49152
+
+
+def _transformers_draws(proposed: torch.LongTensor, new_logits: torch.Tensor) -> torch.LongTensor:
+    """What ``_assisted_decoding`` does for a round without draft logits: draw every position."""
+    probs = new_logits.softmax(dim=-1)
+    selected = torch.multinomial(probs[0], num_samples=1).squeeze(1)[None]
+    n = int(((~(proposed == selected[:, :-1])).cumsum(dim=-1) < 1).sum())
+    return selected[:, : n + 1]
+
+
+def step_costs(repeats: int) -> dict:
+    """ms per verification, by number of proposed tokens and method."""
+    generator = torch.Generator().manual_seed(0)
+    times = defaultdict(list)
+    stock = generation_utils._speculative_sampling.__wrapped_original__
+    cases = {}
+    for length in (0, 3, 10):
+        new_logits = 3 * torch.randn(1, length + 1, VOCAB, generator=generator)
+        proposed = torch.randint(VOCAB, (1, length), generator=generator)
+        ids = torch.cat([torch.zeros(1, 5, dtype=torch.long), proposed], dim=1)
+        draft_logits = 3 * torch.randn(1, length, VOCAB, generator=generator)
+        lookup_logits = point_mass_logits(proposed[0], VOCAB)
+        cases[f"{length} tokens, transformers: no logits (multinomial per position)"] = \
+            lambda p=proposed, n=new_logits: _transformers_draws(p, n)
+        cases[f"{length} tokens, dspark: point mass or none"] = \
+            lambda i=ids, q=lookup_logits, n=new_logits, k=length: verify_sampled_round(i, q, k, n)
+        if length:
+            cases[f"{length} tokens, transformers: _speculative_sampling"] = \
+                lambda i=ids, q=draft_logits, n=new_logits, k=length: stock(i, q, k, n)
+            cases[f"{length} tokens, dspark: drafted"] = \
+                lambda i=ids, q=draft_logits, n=new_logits, k=length: verify_sampled_round(i, q, k, n)
+    names = list(cases)
+    for turn in range(repeats):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            for _ in range(5):
+                cases[name]()
+            times[name].append((time.perf_counter() - start) / 5 * 1000)
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    for name, value in ms.items():
+        print(f"{name:62s} {value:7.3f} ms")
+    return ms
+
+
+def generation_speed(dtype: torch.dtype, draft_path: str, datasets: list[str], num_prompts: int,
+                     max_new_tokens: int) -> dict:
+    """Tokens per second at T = 1 of the target alone, DSpark, and DSpark with the previous verification."""
+    target, tokenizer = load_smollm2(dtype)
+    optimize_for_cpu(target)
+    draft = optimize_for_cpu(DSparkDraftModel.from_pretrained(draft_path).to(dtype).eval())
+    routed = generation_utils._speculative_sampling
+    methods = {"lookup": DSparkCandidateGenerator._lookup_logits, "none": DSparkCandidateGenerator._no_candidate_logits}
+
+    def generate(ids: torch.Tensor, variant: str, seed: int) -> tuple[float, int]:
+        kwargs = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=max_new_tokens,
+                      attention_mask=torch.ones_like(ids))
+        if variant != "target":
+            kwargs["assistant_model"] = draft
+        previous = variant == "dspark, previous verification"
+        DSparkCandidateGenerator._lookup_logits = (lambda self, tokens: None) if previous else methods["lookup"]
+        DSparkCandidateGenerator._no_candidate_logits = (lambda self: None) if previous else methods["none"]
+        generation_utils._speculative_sampling = routed.__wrapped_original__ if previous else routed
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = target.generate(ids, **kwargs)
+        return time.perf_counter() - start, out.shape[1] - ids.shape[1]
+
+    variants = ["target", "dspark", "dspark, previous verification"]
+    per_set = {}
+    try:
+        warm = torch.tensor([chat_prompt_ids(tokenizer, "hello")])
+        for variant in variants:
+            generate(warm, variant, 0)
+        for dataset in datasets:
+            seconds, tokens = defaultdict(float), defaultdict(int)
+            for turn, prompt in enumerate(load_eval_prompts(dataset, limit=num_prompts)):
+                ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+                order = variants[turn % 3:] + variants[: turn % 3]
+                for variant in order:
+                    elapsed, new = generate(ids, variant, turn)
+                    seconds[variant] += elapsed
+                    tokens[variant] += new
+            rates = {v: tokens[v] / seconds[v] for v in variants}
+            per_set[dataset] = {"tokens_per_second": rates,
+                                "vs_target": {v: rates[v] / rates["target"] for v in variants}}
+            print(dataset, "  ".join(f"{v}: {rates[v]:.1f} tok/s ({rates[v] / rates['target']:.2f}x)"
+                                     for v in variants))
+    finally:
+        DSparkCandidateGenerator._lookup_logits = methods["lookup"]
+        DSparkCandidateGenerator._no_candidate_logits = methods["none"]
+        generation_utils._speculative_sampling = routed
+    return per_set
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--draft", default="drafts/smollm2-135m-dspark")
+    parser.add_argument("--datasets", nargs="+", default=["copy-heavy", "mt-bench"])
+    parser.add_argument("--num-prompts", type=int, default=6, help="prompts per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=21, help="step: interleaved repeats of 5 calls")
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    environment = capture_environment()
+    print(f"{environment['cpu_model']} {environment.get('cpu_isa_flags')}, {environment['torch_threads']} threads, "
+          f"{args.dtype}")
+    result = {"ms_per_verification": step_costs(args.repeats),
+              "generation": generation_speed(getattr(torch, args.dtype), args.draft, args.datasets, args.num_prompts,
+                                             args.max_new_tokens)}
+    result.update(environment=environment, args=vars(args))
+    write_json_result(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
