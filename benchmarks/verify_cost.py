@@ -9,7 +9,6 @@
     python benchmarks/verify_cost.py --attention-baseline /tmp/old --sizes 1 8  # another build's attention kernel
     python benchmarks/verify_cost.py --compare-lean-ops --sizes 1 8           # norms and rotation as PyTorch ops
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
-    python benchmarks/verify_cost.py --compare-unfused --sizes 1 2 4 8 16    # q/k/v and gate/up as separate calls
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
 other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and
@@ -121,9 +120,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--compare-lean-ops", action="store_true",
                         help="also time the prepared model with its lean forward's norms and rotation run as PyTorch "
                              "ops instead of the compiled calls, to show what those add")
-    parser.add_argument("--compare-unfused", action="store_true",
-                        help="also time the prepared model with each layer's q/k/v and gate/up projections as separate "
-                             "kernel calls, to show what one call per group adds")
     parser.add_argument("--attention-baseline", metavar="DIR",
                         help="also time the prepared model with the few-query attention kernel built from this folder "
                              "of CPU extension sources (another version)")
@@ -159,11 +155,6 @@ def main(argv=None) -> dict:
         plan = lean_ops.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
         plan.rotary_kernel, plan.norm_kernel_lanes = False, 0
         steppers["lean ops"] = _stepper(lean_ops, context, new_ids)
-    if args.compare_unfused:
-        unfused = optimize_for_cpu(copy.deepcopy(stock))
-        plan = unfused.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
-        plan.fused_qkv, plan.fused_gate_up = [None] * len(plan.fused_qkv), [None] * len(plan.fused_gate_up)
-        steppers["unfused"] = _stepper(unfused, context, new_ids)
     if args.compare_invariant:
         steppers["invariant"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), batch_invariant=True), context, new_ids)
     compile_seconds = None
@@ -192,7 +183,7 @@ def main(argv=None) -> dict:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
-    for name in ("packed only", "oneDNN only", "lean ops", "unfused", "SDPA attention", "baseline attention", "invariant",
+    for name in ("packed only", "oneDNN only", "lean ops", "SDPA attention", "baseline attention", "invariant",
                  "compiled"):
         if name in medians:
             print(f"B    {name} ms  {name} T(B)/T(1)  stock/{name}  {name}/prepared")

@@ -165,7 +165,7 @@ def test_unsupported_decoders_keep_their_forward_and_say_why(caplog):
 def test_a_probe_difference_refuses_the_lean_forward(monkeypatch, caplog):
     model = random_target("llama", num_layers=2)
     original = cpu_decoder._mlp
-    monkeypatch.setattr(cpu_decoder, "_mlp", lambda layer, fused, x: original(layer, fused, x) * (1 + 1e-6))
+    monkeypatch.setattr(cpu_decoder, "_mlp", lambda layer, x: original(layer, x) * (1 + 1e-6))
     with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_decoder"):
         assert not use_lean_decoder(model)
     assert "a probe gave outputs different from its own forward" in caplog.text

@@ -47,7 +47,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from . import cpu_extension
-from .cpu_fused_linear import FusedProjections, fuse_projections
 
 logger = logging.get_logger(__name__)
 
@@ -119,19 +118,6 @@ class _LeanPlan:
         # > 0: the norms run in one compiled call (csrc/cpu_rms_norm.cpp) that sums in vectors of this many
         # floats, the width this torch build's sum uses (found by rms_norm_kernel_lanes); 0: they do not.
         self.norm_kernel_lanes = 0
-        # Per layer: its q/k/v and its gate/up projections in one row-block call each, or None
-        # (csrc row-block kernel: the same bits as separate calls); set by fuse_layer_projections.
-        self.fused_qkv: list[FusedProjections | None] = [None] * len(layers)
-        self.fused_gate_up: list[FusedProjections | None] = [None] * len(layers)
-
-    def fuse_layer_projections(self, base: nn.Module) -> bool:
-        """Groups each layer's sibling projections where they run on the row-block kernel; whether any was."""
-        for index, layer in enumerate(base.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            self.fused_qkv[index] = fuse_projections([attention.q_proj, attention.k_proj, attention.v_proj])
-            if type(mlp).__name__ in _GATED_MLP_CLASSES:
-                self.fused_gate_up[index] = fuse_projections([mlp.gate_proj, mlp.up_proj])
-        return any(self.fused_qkv) or any(self.fused_gate_up)
 
     def hooks_allow_lean(self) -> bool:
         # transformers installs output-capturing hooks on decoder layers and attentions (for
@@ -208,19 +194,17 @@ def _rotate(plan: _LeanPlan, query, key, cos, sin, signed_sin, rotary_kernel):
     return (query * cos + query.roll(half, -1) * signed_sin), (key * cos + key.roll(half, -1) * signed_sin)
 
 
-def _attention(plan: _LeanPlan, layer: nn.Module, fused: FusedProjections | None, hidden_states: torch.Tensor,
-               rotary, mask, cache, attention_function):
+def _attention(plan: _LeanPlan, layer: nn.Module, hidden_states: torch.Tensor, rotary, mask, cache, attention_function):
     attention = layer._modules["self_attn"]
     projections = attention._modules
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, attention.head_dim)
-    outputs = fused(hidden_states) if fused is not None else None
-    if outputs is None:
-        outputs = [projections[name].forward(hidden_states) for name in ("q_proj", "k_proj", "v_proj")]
-    query, key, value = (output.view(hidden_shape) for output in outputs)
+    query = projections["q_proj"].forward(hidden_states).view(hidden_shape)
+    key = projections["k_proj"].forward(hidden_states).view(hidden_shape)
     if "q_norm" in projections:  # Qwen3: an RMSNorm over each head before the rotation
         query, key = _norm(plan, projections["q_norm"], query), _norm(plan, projections["k_norm"], key)
-    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
+    value = projections["v_proj"].forward(hidden_states).view(hidden_shape).transpose(1, 2)
     query, key = _rotate(plan, query, key, *rotary)
     if cache is not None:
         key, value = cache.update(key, value, attention.layer_idx)
@@ -229,14 +213,12 @@ def _attention(plan: _LeanPlan, layer: nn.Module, fused: FusedProjections | None
     return projections["o_proj"].forward(output.reshape(*input_shape, -1).contiguous())
 
 
-def _mlp(layer: nn.Module, fused: FusedProjections | None, hidden_states: torch.Tensor) -> torch.Tensor:
+def _mlp(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     mlp = layer._modules["mlp"]
     if type(mlp).__name__ in _GATED_MLP_CLASSES:
         parts = mlp._modules
-        outputs = fused(hidden_states) if fused is not None else None
-        if outputs is None:
-            outputs = parts["gate_proj"].forward(hidden_states), parts["up_proj"].forward(hidden_states)
-        return parts["down_proj"].forward(parts["act_fn"].forward(outputs[0]) * outputs[1])
+        return parts["down_proj"].forward(parts["act_fn"].forward(parts["gate_proj"].forward(hidden_states))
+                                          * parts["up_proj"].forward(hidden_states))
     return mlp(hidden_states)
 
 
@@ -277,11 +259,9 @@ def _lean_forward(base: nn.Module, *args, **kwargs) -> BaseModelOutputWithPast:
         parts = layer._modules
         residual = hidden_states
         hidden_states = _norm(plan, parts["input_layernorm"], hidden_states)
-        hidden_states = residual + _attention(plan, layer, plan.fused_qkv[index], hidden_states, rotary, mask, cache,
-                                              attention_function)
+        hidden_states = residual + _attention(plan, layer, hidden_states, rotary, mask, cache, attention_function)
         residual = hidden_states
-        hidden_states = residual + _mlp(layer, plan.fused_gate_up[index],
-                                        _norm(plan, parts["post_attention_layernorm"], hidden_states))
+        hidden_states = residual + _mlp(layer, _norm(plan, parts["post_attention_layernorm"], hidden_states))
         if collected is not None:
             collected.append(hidden_states if selected is None or index + 1 in selected else None)
     hidden_states = _norm(plan, base.norm, hidden_states)
@@ -323,19 +303,15 @@ def use_lean_decoder(model: nn.Module) -> bool:
         plan = _LeanPlan(base)
         plan.fused_norm = _fused_norm_matches(base)
         plan.norm_kernel_lanes = rms_norm_kernel_lanes(base)
-        fused = plan.fuse_layer_projections(base)
         base.__dict__[_INSTALLED_ATTRIBUTE] = plan
         base.forward = _LeanForward(base)
         reason = _probe_difference(base)
-        if reason is not None and (plan.fused_norm or plan.roll_rotary or fused):
-            # One of the shortcuts differs here: the model's own norm and rotary functions and separate
-            # projections must agree.
-            logger.info("optimize_for_cpu: the lean forward's shortcuts (fused or compiled norm, rotation, "
-                        "projections) differ here (%s); it calls the model's own instead.", reason)
+        if reason is not None and (plan.fused_norm or plan.roll_rotary):
+            # One of the shortcuts differs here: the model's own norm and rotary functions must agree.
+            logger.info("optimize_for_cpu: the lean forward's norm and rotation shortcuts (fused or compiled) differ "
+                        "here (%s); it calls the model's own instead.", reason)
             plan.fused_norm = plan.roll_rotary = plan.rotary_kernel = False
             plan.norm_kernel_lanes = 0
-            plan.fused_qkv = [None] * len(plan.fused_qkv)
-            plan.fused_gate_up = [None] * len(plan.fused_gate_up)
             reason = _probe_difference(base)
         if reason is not None:
             remove_lean_decoder(model)

@@ -273,29 +273,6 @@ class PackedLinear(nn.Linear):
     def _packed_weight(self) -> torch.Tensor:
         return self._packed_entry()[4]
 
-    def row_block_weight(self) -> tuple[torch.Tensor, int, tuple] | None:
-        """``(packed weight, crossover in input rows, entry)`` where this layer runs the row-block kernel,
-        else None. For :mod:`~dspark_hf.kernels.cpu_fused_linear`, which stores sibling layers' packed
-        weights back to back."""
-        if self.__dict__.get(_KERNEL_ATTRIBUTE) != ROW_BLOCK:
-            return None
-        entry = self._packed_entry()
-        return entry[4], self.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1), entry
-
-    def adopt_packed(self, packed: torch.Tensor) -> tuple:
-        """Uses ``packed`` (equal to this layer's packed weight, e.g. a view of a shared buffer) from now
-        on; returns the new entry, which :meth:`has_packed_entry` recognises while the weight is unchanged."""
-        weight, version, pointer, dtype, current, run = self._packed_entry()
-        if packed.shape != current.shape or packed.dtype != current.dtype or not torch.equal(packed, current):
-            raise ValueError("adopt_packed needs a tensor equal to the layer's packed weight")
-        entry = (weight, version, pointer, dtype, packed, run)
-        object.__setattr__(self, _PACKED_ATTRIBUTE, entry)
-        return entry
-
-    def has_packed_entry(self, entry: tuple) -> bool:
-        """Whether ``entry`` is still this layer's packed weight, made from its weight as it is now."""
-        return self.__dict__.get(_PACKED_ATTRIBUTE) is entry and _entry_matches(entry, self._parameters["weight"])
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Every decode step calls this ~200 times for a small model, so the common case reads the
         # module's dictionaries directly and trusts a packed copy made from this very weight tensor.
