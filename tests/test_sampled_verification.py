@@ -116,9 +116,8 @@ def test_sampled_dspark_generation_verifies_every_round_with_one_categorical_dra
     out = target.generate(prompt, max_new_tokens=24, do_sample=True, assistant_model=draft,
                           prompt_lookup_num_tokens=lookup)
     stats = draft.last_generation_stats
-    # The prefill's token is transformers' one draw with torch.multinomial; every later round is ours.
-    assert len(calls) == 1, calls
-    assert len(rounds) == stats.num_rounds >= 5
+    assert calls == []  # the prefill's token and every round's are drawn by DSpark's verification
+    assert len(rounds) == stats.num_rounds + 1 >= 6  # the rounds and the prefill
     kinds = {r.source for r in stats.rounds}
     assert out.shape[1] > prompt.shape[1] and ("lookup" in kinds) == (lookup > 0), kinds
 

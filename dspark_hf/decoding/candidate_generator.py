@@ -186,7 +186,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             embeds = (model_kwargs or {}).get("inputs_embeds")
             if embeds is not None:
                 self._embeds_offset = max(0, embeds.shape[1] - input_ids.shape[1])
-            return input_ids, None
+            return input_ids, self._no_candidate_logits()
         plan = self.plan = self.rounds.start(input_ids[:, -1], [self.max_length - input_ids.shape[1]])
         if self._prefill_start is not None:
             self.stats.prefill_time = plan.round_start - self._prefill_start
@@ -211,8 +211,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return point_mass_logits(tokens, self.draft.config.vocab_size) if self.do_sample else None
 
     def _no_candidate_logits(self) -> torch.Tensor | None:
-        """A round without candidates: empty logits let DSpark's verification draw its token in
-        sampled calls (transformers' own ``_speculative_sampling`` cannot take them)."""
+        """A round without candidates (the prefill, a plain step): empty logits let DSpark's verification
+        draw its token in sampled calls (transformers' own ``_speculative_sampling`` cannot take them)."""
         if self.do_sample and sampled_verification_active():
             return torch.empty(1, 0, self.draft.config.vocab_size, device=self.device)
         return None

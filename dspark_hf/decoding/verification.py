@@ -12,7 +12,7 @@ function ``_speculative_sampling`` when the candidate generator returns logits, 
 2-core EPYC, so a 10-token context-lookup copy paid about 11 ms of drawing, more than half a
 SmolLM2 step, and a plain step 1.1 ms. Inside a DSpark call (:func:`dspark_sampled_verification`)
 the candidate generator therefore returns logits for every sampled round (a point mass for a lookup
-copy, none for a plain step) and :func:`install_sampled_verification` routes
+copy, empty ones for a plain step and for the prefill's token) and :func:`install_sampled_verification` routes
 ``_speculative_sampling`` to :func:`verify_sampled_round`: the same rule, one draw per round
 (:func:`~dspark_hf.decoding.serial_block.draw_categorical`, a tenth of the cost). Outside a DSpark
 call transformers' own function runs, unchanged.
