@@ -38,10 +38,9 @@ VOCAB = 49152
 
 def _transformers_draws(proposed: torch.LongTensor, new_logits: torch.Tensor) -> torch.LongTensor:
     """What ``_assisted_decoding`` does for a round without draft logits: draw every position."""
-    probs = new_logits.softmax(dim=-1)
-    selected = torch.multinomial(probs[0], num_samples=1).squeeze(1)[None]
-    n = int(((~(proposed == selected[:, :-1])).cumsum(dim=-1) < 1).sum())
-    return selected[:, : n + 1]
+    drawn = torch.multinomial(torch.softmax(new_logits[0], dim=-1), 1).view(1, -1)
+    kept = int((proposed == drawn[:, :-1]).int().cumprod(dim=1).sum())
+    return drawn[:, : kept + 1]
 
 
 def step_costs(repeats: int) -> dict:
