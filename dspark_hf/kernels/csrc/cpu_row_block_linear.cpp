@@ -14,8 +14,9 @@
 //   avx512_bf16 and bfloat16 inputs, VDPBF16PS multiplies the pair and adds it in one instruction.
 //
 // A group of rows keeps its accumulators in registers (AVX2: up to 6 rows x 2 registers; AVX-512: up
-// to 8 rows, 12 for bfloat16 pairs, x 1); more rows take turns on each short k-span of the block while it sits in L1, so every
-// weight is read from memory once per call at an even pace. Threads split the column blocks.
+// to 8 rows, 12 for bfloat16 pairs, x 1, and 3-8 rows of float32/float16 weights on two blocks at once, each
+// broadcast input feeding two multiply-adds); more rows take turns on each short k-span of the block while it
+// sits in L1, so every weight is read from memory once per call at an even pace. Threads split the column blocks.
 //
 // With several rows the FMAs take long enough that the hardware prefetcher alone leaves the memory
 // idle part of the time (8 rows of SmolLM2's fp32 linears: 24.8 ms against 17.0 ms for one row on a
@@ -232,29 +233,45 @@ DSPARK_AVX512_BF16 void span_pairs_dot(const uint32_t* x, int64_t ldx, const uin
 
 // ---- driver ------------------------------------------------------------------------------------------
 
-// The span kernels of one path: groups of 1 .. MaxRows rows on one block, and one or two rows on several
-// blocks at once; each with and without prefetching.
-constexpr int kOneRowBlocks = 4, kTwoRowBlocks = 2;
+// The span kernels of one path: groups of 1 .. MaxRows rows on one block, one or two rows on several
+// blocks at once, and (the AVX-512 per-k path, 32 registers) 3 .. kWideMaxRows rows on kWideBlocks blocks,
+// so each broadcast input feeds two multiply-adds; each with and without prefetching. Every output is still
+// one chain over k in order, so the bits are those of one block at a time.
+constexpr int kOneRowBlocks = 4, kTwoRowBlocks = 2, kWideBlocks = 2, kWideMaxRows = 8;
 template <typename X, typename W, int MaxRows>
 struct Path {
   using Span = void (*)(const X*, int64_t, const W*, int64_t, int64_t, int64_t, float*);
-  Span group[2][MaxRows + 1];  // [prefetch][rows], one block
-  Span one_row[2];             // kOneRowBlocks blocks
-  Span two_rows[2];            // kTwoRowBlocks blocks
-  int64_t prefetch_from_rows;  // the fewest rows that prefetch
-  int64_t span_steps;          // steps per span when several row groups share a block
+  Span group[2][MaxRows + 1];       // [prefetch][rows], one block
+  Span one_row[2];                  // kOneRowBlocks blocks
+  Span two_rows[2];                 // kTwoRowBlocks blocks
+  Span wide[2][kWideMaxRows + 1];   // [prefetch][rows], kWideBlocks blocks; nullptr on paths without them
+  int64_t prefetch_from_rows;       // the fewest rows that prefetch
+  int64_t span_steps;               // steps per span when several row groups share a block
 };
 
-template <typename X, typename W, int MaxRows, template <int, int, bool> class Kernel, std::size_t... R>
-constexpr Path<X, W, MaxRows> make_path(int64_t prefetch_from_rows, int64_t span_steps, std::index_sequence<R...>) {
-  return {{{nullptr, Kernel<R + 1, 1, false>::run...}, {nullptr, Kernel<R + 1, 1, true>::run...}},
-          {Kernel<1, kOneRowBlocks, false>::run, Kernel<1, kOneRowBlocks, true>::run},
-          {Kernel<2, kTwoRowBlocks, false>::run, Kernel<2, kTwoRowBlocks, true>::run},
-          prefetch_from_rows, span_steps};
+template <typename X, typename W, int MaxRows, bool Wide, template <int, int, bool> class Kernel, std::size_t... R,
+          std::size_t... V>
+constexpr Path<X, W, MaxRows> make_path(int64_t prefetch_from_rows, int64_t span_steps, std::index_sequence<R...>,
+                                        std::index_sequence<V...>) {
+  using Span = typename Path<X, W, MaxRows>::Span;
+  if constexpr (Wide) {
+    return {{{nullptr, Kernel<R + 1, 1, false>::run...}, {nullptr, Kernel<R + 1, 1, true>::run...}},
+            {Kernel<1, kOneRowBlocks, false>::run, Kernel<1, kOneRowBlocks, true>::run},
+            {Kernel<2, kTwoRowBlocks, false>::run, Kernel<2, kTwoRowBlocks, true>::run},
+            {{nullptr, Kernel<V + 1, kWideBlocks, false>::run...}, {nullptr, Kernel<V + 1, kWideBlocks, true>::run...}},
+            prefetch_from_rows, span_steps};
+  } else {
+    return {{{nullptr, Kernel<R + 1, 1, false>::run...}, {nullptr, Kernel<R + 1, 1, true>::run...}},
+            {Kernel<1, kOneRowBlocks, false>::run, Kernel<1, kOneRowBlocks, true>::run},
+            {Kernel<2, kTwoRowBlocks, false>::run, Kernel<2, kTwoRowBlocks, true>::run},
+            {{static_cast<Span>(nullptr)}, {static_cast<Span>(nullptr)}},
+            prefetch_from_rows, span_steps};
+  }
 }
-template <typename X, typename W, int MaxRows, template <int, int, bool> class Kernel>
+template <typename X, typename W, int MaxRows, bool Wide, template <int, int, bool> class Kernel>
 constexpr Path<X, W, MaxRows> make_path(int64_t prefetch_from_rows, int64_t span_steps) {
-  return make_path<X, W, MaxRows, Kernel>(prefetch_from_rows, span_steps, std::make_index_sequence<MaxRows>{});
+  return make_path<X, W, MaxRows, Wide, Kernel>(prefetch_from_rows, span_steps, std::make_index_sequence<MaxRows>{},
+                                                std::make_index_sequence<kWideMaxRows>{});
 }
 
 template <typename W> struct Avx2 { template <int R, int B, bool P> struct K { static constexpr auto run = span_avx2<W, R, B, P>; }; };
@@ -265,10 +282,12 @@ template <int R, int B, bool P> struct PairsDot { static constexpr auto run = sp
 // float32 weights prefetch from 2 rows (one row is purely bound by memory and ran about 6% slower with it
 // on the Zen 3), 16-bit weights from 1 (one bfloat16 row ran about 9% faster with it).
 template <typename W> constexpr int64_t kPrefetchFromRows = sizeof(W) == 4 ? 2 : 1;
-template <typename W> constexpr auto kAvx2Path = make_path<float, W, 6, Avx2<W>::template K>(kPrefetchFromRows<W>, kSpanK);
-template <typename W> constexpr auto kAvx512Path = make_path<float, W, 8, Avx512<W>::template K>(kPrefetchFromRows<W>, kSpanK);
-constexpr auto kPairsFmaPath = make_path<float, uint32_t, 12, PairsFma>(1, kSpanK / 2);
-constexpr auto kPairsDotPath = make_path<uint32_t, uint32_t, 12, PairsDot>(1, kSpanK / 2);
+template <typename W> constexpr auto kAvx2Path = make_path<float, W, 6, false, Avx2<W>::template K>(kPrefetchFromRows<W>, kSpanK);
+template <typename W> constexpr auto kAvx512Path = make_path<float, W, 8, true, Avx512<W>::template K>(kPrefetchFromRows<W>, kSpanK);
+// Wide groups only where they measured faster: float32 weights at 3-8 rows (SmolLM2 fp32 forward of 8 tokens
+// 8% faster on a Zen 4); for bfloat16 pairs they measured the same (benchmarks/row_block_rows.py --whole-step).
+constexpr auto kPairsFmaPath = make_path<float, uint32_t, 12, false, PairsFma>(1, kSpanK / 2);
+constexpr auto kPairsDotPath = make_path<uint32_t, uint32_t, 12, false, PairsDot>(1, kSpanK / 2);
 
 // Where a call's results go: [rows, N] in the input's dtype, rounded from float32 (after adding the float32
 // bias, as F.linear's float32 result plus bias rounded by .to() would be) while the block's sums are in L1.
@@ -303,12 +322,14 @@ void rows_of_blocks(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, in
                     const W* blocks, int64_t count, const Output& out, int64_t first_column, float* acc) {
   const int prefetch = rows >= path.prefetch_from_rows ? 1 : 0;
   const int64_t stride = steps * kBlock;
-  const int64_t wide = rows == 1 ? kOneRowBlocks : rows == 2 ? kTwoRowBlocks : 1;
+  const bool wide_rows = rows > 2 && rows <= std::min<int64_t>(MaxRows, kWideMaxRows) && path.wide[0][rows] != nullptr;
+  const int64_t wide = rows == 1 ? kOneRowBlocks : rows == 2 ? kTwoRowBlocks : wide_rows ? kWideBlocks : 1;
   for (int64_t b = 0; b < count;) {
     const int64_t tile = b + wide <= count ? wide : 1;
     std::fill(acc, acc + rows * tile * kBlock, 0.0f);
     if (tile > 1) {
-      (rows == 1 ? path.one_row : path.two_rows)[prefetch](x, ldx, blocks + b * stride, stride, 0, steps, acc);
+      const auto span = rows == 1 ? path.one_row[prefetch] : rows == 2 ? path.two_rows[prefetch] : path.wide[prefetch][rows];
+      span(x, ldx, blocks + b * stride, stride, 0, steps, acc);
     } else {
       const int64_t groups = (rows + MaxRows - 1) / MaxRows;
       const int64_t span = groups == 1 ? steps : path.span_steps;
