@@ -147,3 +147,29 @@ def test_the_dspark_mark_belongs_to_the_call_and_its_thread():
         thread.start()
         thread.join()
     assert seen == [False] and not sampled_verification_active()
+
+
+def test_without_the_routing_sampled_rounds_fall_back_to_transformers_verification(monkeypatch):
+    # As on a transformers whose _speculative_sampling has another signature: lookup copies still go as
+    # point masses (which transformers' function verifies correctly) and plain steps without logits.
+    monkeypatch.setattr(generation_utils, "_speculative_sampling",
+                        generation_utils._speculative_sampling.__wrapped_original__)
+    assert not is_sampled_verification_installed()
+    target = bigram_target(torch.log(TARGET.clamp_min(1e-12)))
+    draft = markov_draft(target, torch.log(DRAFT.clamp_min(1e-12)), block_size=3)
+    calls = _count_multinomial(monkeypatch)
+    torch.manual_seed(0)
+    out = target.generate(torch.tensor([[0, 1, 2, 3, 2, 0, 3, 1, 2]]), max_new_tokens=24, do_sample=True,
+                          assistant_model=draft, prompt_lookup_num_tokens=3)
+    assert out.shape[1] > 9 and len(calls) > draft.last_generation_stats.num_rounds // 2
+
+
+def test_an_unexpected_signature_is_left_alone_and_logged(monkeypatch, caplog):
+    def _speculative_sampling(candidates, logits, new_logits):  # another transformers' shape of it
+        raise AssertionError("not called here")
+
+    monkeypatch.setattr(generation_utils, "_speculative_sampling", _speculative_sampling)
+    with caplog.at_level("WARNING"):
+        verification.install_sampled_verification()
+    assert generation_utils._speculative_sampling is _speculative_sampling
+    assert "unexpected signature" in caplog.text

@@ -26,8 +26,12 @@ import functools
 import inspect
 
 import torch
+import transformers.generation.utils as generation_utils
+from transformers.utils import logging
 
 from .serial_block import draw_categorical
+
+logger = logging.get_logger(__name__)
 
 # True while this thread (or task) runs a batch-1 DSpark generate call; transformers' own assisted
 # generation (another assistant, prompt lookup alone) elsewhere keeps transformers' function.
@@ -128,24 +132,15 @@ def dspark_sampled_verification():
         _DSPARK_CALL.reset(token)
 
 
-def _generation_utils():
-    import transformers.generation.utils as generation_utils
-
-    return generation_utils
-
-
 def install_sampled_verification() -> None:
     """Routes transformers' ``_speculative_sampling`` to :func:`verify_sampled_round` inside DSpark
     calls (idempotent). A transformers whose function has another signature keeps its own, with
     the draws it makes (logged once): the results are the same, only slower."""
-    generation_utils = _generation_utils()
     original = getattr(generation_utils, "_speculative_sampling", None)
     if original is None or getattr(original, _MARKER, False):
         return
     if tuple(inspect.signature(original).parameters)[:4] != _EXPECTED_PARAMETERS:
-        from transformers.utils import logging
-
-        logging.get_logger(__name__).warning(
+        logger.warning(
             "transformers' _speculative_sampling has an unexpected signature; DSpark's sampled rounds keep "
             "transformers' verification (same distribution, slower draws on CPU).")
         return
@@ -164,7 +159,7 @@ def install_sampled_verification() -> None:
 
 def is_sampled_verification_installed() -> bool:
     """Whether transformers' ``_speculative_sampling`` is routed (inside DSpark calls) to :func:`verify_sampled_round`."""
-    return getattr(getattr(_generation_utils(), "_speculative_sampling", None), _MARKER, False)
+    return getattr(getattr(generation_utils, "_speculative_sampling", None), _MARKER, False)
 
 
 __all__ = [
