@@ -30,7 +30,7 @@ from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
 from dspark_hf.chat_text import chat_prompt_ids
 from dspark_hf.decoding.candidate_generator import DSparkCandidateGenerator
-from dspark_hf.decoding.verification import point_mass_logits, verify_sampled_round
+from dspark_hf.decoding.verification import dspark_sampled_verification, point_mass_logits, verify_sampled_round
 from dspark_hf.demo_target import load_smollm2
 
 VOCAB = 49152
@@ -41,6 +41,14 @@ def _transformers_draws(proposed: torch.LongTensor, new_logits: torch.Tensor) ->
     drawn = torch.multinomial(torch.softmax(new_logits[0], dim=-1), 1).view(1, -1)
     kept = int((proposed == drawn[:, :-1]).int().cumprod(dim=1).sum())
     return drawn[:, : kept + 1]
+
+
+def _dspark_lookup_round(ids, proposed, new_logits, length):
+    """A lookup copy (a plain step when ``length`` is 0) as a DSpark call verifies it: the candidate
+    generator makes the point mass, the verification recognises it."""
+    with dspark_sampled_verification():
+        logits = point_mass_logits(proposed[0], VOCAB) if length else torch.empty(1, 0, VOCAB)
+        return verify_sampled_round(ids, logits, length, new_logits)
 
 
 def step_costs(repeats: int) -> dict:
@@ -54,11 +62,10 @@ def step_costs(repeats: int) -> dict:
         proposed = torch.randint(VOCAB, (1, length), generator=generator)
         ids = torch.cat([torch.zeros(1, 5, dtype=torch.long), proposed], dim=1)
         draft_logits = 3 * torch.randn(1, length, VOCAB, generator=generator)
-        lookup_logits = point_mass_logits(proposed[0], VOCAB)
         cases[f"{length} tokens, transformers: no logits (multinomial per position)"] = \
             lambda p=proposed, n=new_logits: _transformers_draws(p, n)
         cases[f"{length} tokens, dspark: point mass or none"] = \
-            lambda i=ids, q=lookup_logits, n=new_logits, k=length: verify_sampled_round(i, q, k, n)
+            lambda i=ids, p=proposed, n=new_logits, k=length: _dspark_lookup_round(i, p, n, k)
         if length:
             cases[f"{length} tokens, transformers: _speculative_sampling"] = \
                 lambda i=ids, q=draft_logits, n=new_logits, k=length: stock(i, q, k, n)

@@ -7,6 +7,7 @@ through it without a single ``torch.multinomial`` call, and transformers' own as
 outside DSpark calls keeps transformers' function and draws.
 """
 
+import contextlib
 import threading
 
 import pytest
@@ -45,11 +46,15 @@ def _exact(p, q, proposed, residual_rule=True):
     return exact
 
 
-def _counts(q_logits, proposed, p_logits):
+def _counts(q_logits, proposed, p_logits, in_call=False):
+    """Draws per (kept, next token) cell; ``in_call``: inside a DSpark call, where the proposal's point
+    mass is made anew each round (as the candidate generator does) and recognised by the verification."""
     torch.manual_seed(0)
     ids = torch.cat([torch.tensor([[3, 4]]), proposed[None]], dim=1)
     counts = {}
     for _ in range(DRAWS):
+        if in_call:
+            q_logits = point_mass_logits(proposed, p_logits.shape[-1])
         valid, n = verify_sampled_round(ids, q_logits, proposed.numel(), p_logits)
         n = int(n)
         assert valid.shape == (1, n + 1) and valid[0, :n].tolist() == proposed[:n].tolist()
@@ -68,11 +73,15 @@ def _p_value(counts, exact):
     return torch.special.gammaincc(torch.tensor((cells - 1) / 2.0), torch.tensor(chi2 / 2.0)).item()
 
 
-@pytest.mark.parametrize("proposal", ["drafted", "point mass", "none"])
-def test_verification_draws_the_exact_distribution_and_a_wrong_rule_is_detected(proposal):
+@pytest.mark.parametrize("proposal", ["drafted", "point mass", "point mass, in a DSpark call", "none"])
+def test_verification_draws_the_exact_distribution_and_a_wrong_rule_is_detected(proposal, monkeypatch):
+    in_call = proposal.endswith("call")
+    rows = []  # speculative_accept's draft rows per round: None where the proposal counts as deterministic
+    monkeypatch.setattr(verification, "speculative_accept",
+                        lambda *a, _f=verification.speculative_accept: rows.append(a[4]) or _f(*a))
     if proposal == "drafted":
         q, q_logits, proposed = Q, _logits(Q)[None], PROPOSED
-    elif proposal == "point mass":
+    elif proposal.startswith("point mass"):
         proposed = torch.tensor([0, 1])
         q_logits = point_mass_logits(proposed, P.shape[1])
         q = torch.softmax(q_logits[0], -1)
@@ -80,7 +89,10 @@ def test_verification_draws_the_exact_distribution_and_a_wrong_rule_is_detected(
     else:
         q, q_logits, proposed = Q[:0], torch.empty(1, 0, P.shape[1]), PROPOSED[:0]
     p = P[len(P) - proposed.numel() - 1:]
-    counts = _counts(q_logits, proposed, _logits(p)[None])
+    with dspark_sampled_verification() if in_call else contextlib.nullcontext():
+        counts = _counts(q_logits, proposed, _logits(p)[None], in_call)
+    # Inside a DSpark call a point mass skips the softmax of its one-hot rows; elsewhere it is drafted logits.
+    assert all((r is None) == (in_call or proposal == "none") for r in rows) and len(rows) == DRAWS
     assert _p_value(counts, _exact(p, q, proposed)) > 1e-3
     if proposal != "none":  # with nothing proposed there is no residual to get wrong
         assert _p_value(counts, _exact(p, q, proposed, residual_rule=False)) < 1e-6
@@ -110,6 +122,9 @@ def test_sampled_dspark_generation_verifies_every_round_with_one_categorical_dra
     rounds = []
     monkeypatch.setattr(verification, "verify_sampled_round",
                         lambda *a, _f=verification.verify_sampled_round: rounds.append(a[2]) or _f(*a))
+    deterministic = []  # proposals verified as deterministic (lookup copies recognised as point masses)
+    monkeypatch.setattr(verification, "speculative_accept", lambda *a, _f=verification.speculative_accept:
+                        deterministic.append(a[0].shape[1] > 0 and a[4] is None) or _f(*a))
     calls = _count_multinomial(monkeypatch)
     prompt = torch.tensor([[0, 1, 2, 3, 2, 0, 3, 1, 2]])
     torch.manual_seed(0)
@@ -120,6 +135,8 @@ def test_sampled_dspark_generation_verifies_every_round_with_one_categorical_dra
     assert len(rounds) == stats.num_rounds + 1 >= 6  # the rounds and the prefill
     kinds = {r.source for r in stats.rounds}
     assert out.shape[1] > prompt.shape[1] and ("lookup" in kinds) == (lookup > 0), kinds
+    lookup_rounds = sum(r.source == "lookup" and r.verified > 0 for r in stats.rounds)
+    assert sum(deterministic) == lookup_rounds and (lookup_rounds > 0) == (lookup > 0)
 
 
 def test_transformers_assisted_generation_outside_dspark_keeps_its_own_verification(monkeypatch):
