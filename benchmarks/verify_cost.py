@@ -12,7 +12,9 @@
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
 other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and
-stock/prepared are printed.
+stock/prepared are printed. The prepared model's T(B)/T(1) is also given paired: the ratio of the two
+steps within each round (timed a few milliseconds apart, so slow spells of the machine cancel), its
+median over rounds and the quartiles, which move less between runs than the ratio of medians.
 
 ``--attention-baseline DIR`` builds the CPU extension from another version's sources (a folder such as
 ``git archive REV dspark_hf/kernels/csrc | tar -x -C DIR --strip-components 3`` makes) and times a
@@ -95,6 +97,17 @@ def _compiled_copy(stock, parts: str):
     return model
 
 
+def _paired_ratios(per_size: dict[int, list[float]], sizes: list[int]) -> dict[int, dict[str, float]]:
+    """T(B)/T(first size) within each round, summarised over rounds by median and quartiles."""
+    summary = {}
+    for b in sizes[1:]:
+        ratios = [t / t1 for t, t1 in zip(per_size[b], per_size[sizes[0]])]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        summary[b] = {"median": statistics.median(ratios), "lower_quartile": quartiles[0],
+                      "upper_quartile": quartiles[2]}
+    return summary
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=256)
@@ -174,6 +187,7 @@ def main(argv=None) -> dict:
                 if round_index:
                     samples[name][b].append(elapsed)
     medians = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in samples.items()}
+    paired = _paired_ratios(samples["prepared"], args.sizes)
     env = capture_environment()
     print(f"{env.get('cpu_model')}, {args.dtype}, context {args.context} tokens, {torch.get_num_threads()} threads, "
           f"{args.repeats} interleaved rounds; packing took {pack_seconds:.2f} s"
@@ -183,6 +197,9 @@ def main(argv=None) -> dict:
         s, p = medians["stock"][b], medians["prepared"][b]
         print(f"{b:<4} {1e3 * s:8.1f}  {1e3 * p:11.1f}  {s / medians['stock'][args.sizes[0]]:15.2f}  "
               f"{p / medians['prepared'][args.sizes[0]]:18.2f}  {s / p:14.2f}")
+    print("B    prepared T(B)/T(1) paired by round: median [quartiles]")
+    for b in args.sizes[1:]:
+        print(f"{b:<4} {paired[b]['median']:.3f} [{paired[b]['lower_quartile']:.3f}, {paired[b]['upper_quartile']:.3f}]")
     for name in ("packed only", "oneDNN only", "lean ops", "SDPA attention", "baseline attention", "invariant",
                  "compiled"):
         if name in medians:
@@ -192,7 +209,8 @@ def main(argv=None) -> dict:
                 print(f"{b:<4} {1e3 * c:{len(name) + 3}.1f}  {c / medians[name][args.sizes[0]]:{len(name) + 9}.2f}  "
                       f"{medians['stock'][b] / c:{len(name) + 6}.2f}  {c / medians['prepared'][b]:{len(name) + 9}.2f}")
     result = {"environment": env, "dtype": args.dtype, "context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
-              "compile": args.compile, "compile_seconds": compile_seconds, "median_seconds": medians}
+              "compile": args.compile, "compile_seconds": compile_seconds, "median_seconds": medians,
+              "prepared_paired_ratios": paired}
     write_json_result(result, args.out)
     return result
 
