@@ -12,7 +12,10 @@ next runs. Interleaved prompt by prompt, in reverse order every other prompt; ms
 
 ``serial``: one 7-position greedy block of the shipped draft through the serial loop (LM head
 included), drawn over the draft vocabulary's columns (what generation does) against the same loop
-handed whole-vocabulary logits (what it did before), and the sampled loop; interleaved, medians.
+handed whole-vocabulary logits (what it did before), and the same for a sampled block: over the
+columns with the exact probabilities returned (what generation does where DSpark verifies) against
+whole-vocabulary rows (what it did before, and still does where transformers verifies); interleaved,
+medians.
 """
 
 from __future__ import annotations
@@ -103,8 +106,10 @@ def serial_loop(target, draft, dtype: torch.dtype, repeats: int) -> dict:
         "greedy, draft columns": lambda: serial_sample(draft, None, hidden, anchors, do_sample=False, admission=admit_all),
         "greedy, whole vocabulary": lambda: serial_sample(draft, draft.base_logits(hidden), hidden, anchors,
                                                           do_sample=False, admission=admit_all),
-        "sampled": lambda: serial_sample(draft, draft.base_logits(hidden), hidden, anchors, do_sample=True,
-                                         admission=admit_all),
+        "sampled, whole vocabulary": lambda: serial_sample(draft, None, hidden, anchors, do_sample=True,
+                                                           admission=admit_all),
+        "sampled, draft columns": lambda: serial_sample(draft, None, hidden, anchors, do_sample=True,
+                                                        admission=admit_all, exact_probabilities=True),
     }
     times = defaultdict(list)
     with torch.inference_mode():

@@ -1,6 +1,7 @@
 """What verifying a sampled batch-1 round costs: transformers' draws against DSpark's.
 
     python benchmarks/sampled_verification.py --dtype float32 --out results/sampled_verification_zen4_float32.json
+    python benchmarks/sampled_verification.py --baseline whole-vocabulary-draws --num-prompts 8
 
 ``step``: one verification at V = 49,152 (SmolLM2's vocabulary) with 0, 3 and 10 proposed tokens:
 transformers' ``_assisted_decoding`` draws every position with ``torch.multinomial`` when the round
@@ -8,10 +9,13 @@ has no draft logits (a lookup copy, a plain step), and ``_speculative_sampling``
 row) when it has; DSpark's :func:`~dspark_hf.decoding.verification.verify_sampled_round` draws once.
 Medians of interleaved repeats, ms.
 
-``generate``: T = 1 generation of the prepared SmolLM2 target alone, DSpark as it is, and DSpark
-with the previous verification (transformers' function, lookup copies and plain steps handed over
-without logits), interleaved prompt by prompt in a rotating order; tokens per second per variant
-over the same prompts. Sampled outputs differ between variants by design (other draws).
+``generate``: T = 1 generation of the prepared SmolLM2 target alone, DSpark as it is, and a
+baseline DSpark (``--baseline``): ``previous-verification``, transformers' function with lookup
+copies and plain steps handed over without logits; or ``whole-vocabulary-draws``, the serial loop
+drawing over whole-vocabulary rows and the verification taking ``q`` as the softmax of the logits
+(before the loop drew over the draft vocabulary's columns and handed its exact probabilities over).
+Interleaved prompt by prompt in a rotating order; tokens per second per variant over the same
+prompts. Sampled outputs differ between variants by design (other draws).
 """
 
 from __future__ import annotations
@@ -24,16 +28,21 @@ from collections import defaultdict
 import torch
 import transformers.generation.utils as generation_utils
 
+import dspark_hf.decoding.candidate_generator as candidate_generator
 from dspark_hf import DSparkDraftModel, optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
 from dspark_hf.chat_text import chat_prompt_ids
 from dspark_hf.decoding.candidate_generator import DSparkCandidateGenerator
-from dspark_hf.decoding.verification import dspark_sampled_verification, point_mass_logits, verify_sampled_round
+from dspark_hf.decoding.sampling import serial_sample
+from dspark_hf.decoding.verification import (dspark_sampled_verification, hand_over_drafted, point_mass_logits,
+                                             verify_sampled_round)
 from dspark_hf.demo_target import load_smollm2
 
 VOCAB = 49152
+BASELINES = {"previous-verification": "dspark, previous verification",
+             "whole-vocabulary-draws": "dspark, whole-vocabulary draws"}
 
 
 def _transformers_draws(proposed: torch.LongTensor, new_logits: torch.Tensor) -> torch.LongTensor:
@@ -49,6 +58,12 @@ def _dspark_lookup_round(ids, proposed, new_logits, length):
     with dspark_sampled_verification():
         logits = point_mass_logits(proposed[0], VOCAB) if length else torch.empty(1, 0, VOCAB)
         return verify_sampled_round(ids, logits, length, new_logits)
+
+
+def _dspark_drafted_round(ids, draft_logits, probabilities, new_logits, length):
+    """A drafted round as a DSpark call verifies it: the loop's exact probabilities handed over with the logits."""
+    with dspark_sampled_verification():
+        return verify_sampled_round(ids, hand_over_drafted(draft_logits, probabilities), length, new_logits)
 
 
 def step_costs(repeats: int) -> dict:
@@ -69,8 +84,12 @@ def step_costs(repeats: int) -> dict:
         if length:
             cases[f"{length} tokens, transformers: _speculative_sampling"] = \
                 lambda i=ids, q=draft_logits, n=new_logits, k=length: stock(i, q, k, n)
-            cases[f"{length} tokens, dspark: drafted"] = \
+            cases[f"{length} tokens, dspark: drafted, q from the logits"] = \
                 lambda i=ids, q=draft_logits, n=new_logits, k=length: verify_sampled_round(i, q, k, n)
+            probabilities = torch.softmax(draft_logits, dim=-1)  # the serial loop has them already
+            cases[f"{length} tokens, dspark: drafted, q handed over"] = \
+                lambda i=ids, q=draft_logits, pq=probabilities, n=new_logits, k=length: \
+                _dspark_drafted_round(i, q, pq, n, k)
     names = list(cases)
     for turn in range(repeats):
         for name in names if turn % 2 == 0 else names[::-1]:
@@ -84,9 +103,15 @@ def step_costs(repeats: int) -> dict:
     return ms
 
 
+def _whole_vocabulary_draws(*args, **kwargs):
+    """The serial loop as before it drew over the draft columns: whole-vocabulary rows, q from the logits."""
+    kwargs["exact_probabilities"] = False
+    return serial_sample(*args, **kwargs)
+
+
 def generation_speed(dtype: torch.dtype, draft_path: str, datasets: list[str], num_prompts: int,
-                     max_new_tokens: int) -> dict:
-    """Tokens per second at T = 1 of the target alone, DSpark, and DSpark with the previous verification."""
+                     max_new_tokens: int, baseline: str = "previous-verification") -> dict:
+    """Tokens per second at T = 1 of the target alone, DSpark, and the baseline DSpark."""
     target, tokenizer = load_smollm2(dtype)
     optimize_for_cpu(target)
     draft = optimize_for_cpu(DSparkDraftModel.from_pretrained(draft_path).to(dtype).eval())
@@ -99,6 +124,8 @@ def generation_speed(dtype: torch.dtype, draft_path: str, datasets: list[str], n
         if variant != "target":
             kwargs["assistant_model"] = draft
         previous = variant == "dspark, previous verification"
+        candidate_generator.serial_sample = _whole_vocabulary_draws if variant == BASELINES[
+            "whole-vocabulary-draws"] else serial_sample
         DSparkCandidateGenerator._lookup_logits = (lambda self, tokens: None) if previous else methods["lookup"]
         DSparkCandidateGenerator._no_candidate_logits = (lambda self: None) if previous else methods["none"]
         generation_utils._speculative_sampling = routed.__wrapped_original__ if previous else routed
@@ -107,7 +134,7 @@ def generation_speed(dtype: torch.dtype, draft_path: str, datasets: list[str], n
         out = target.generate(ids, **kwargs)
         return time.perf_counter() - start, out.shape[1] - ids.shape[1]
 
-    variants = ["target", "dspark", "dspark, previous verification"]
+    variants = ["target", "dspark", BASELINES[baseline]]
     per_set = {}
     try:
         warm = torch.tensor([chat_prompt_ids(tokenizer, "hello")])
@@ -131,6 +158,7 @@ def generation_speed(dtype: torch.dtype, draft_path: str, datasets: list[str], n
         DSparkCandidateGenerator._lookup_logits = methods["lookup"]
         DSparkCandidateGenerator._no_candidate_logits = methods["none"]
         generation_utils._speculative_sampling = routed
+        candidate_generator.serial_sample = serial_sample
     return per_set
 
 
@@ -142,6 +170,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=6, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=21, help="step: interleaved repeats of 5 calls")
+    parser.add_argument("--baseline", choices=sorted(BASELINES), default="previous-verification",
+                        help="the DSpark variant generation is compared with (see above)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
     environment = capture_environment()
@@ -149,7 +179,7 @@ def main(argv=None) -> dict:
           f"{args.dtype}")
     result = {"ms_per_verification": step_costs(args.repeats),
               "generation": generation_speed(getattr(torch, args.dtype), args.draft, args.datasets, args.num_prompts,
-                                             args.max_new_tokens)}
+                                             args.max_new_tokens, args.baseline)}
     result.update(environment=environment, args=vars(args))
     write_json_result(result, args.out)
     return result

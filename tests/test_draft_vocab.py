@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LogitsProcessorList, TemperatureLogitsWarper
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler
@@ -24,6 +24,7 @@ from dspark_hf.training.draft_vocab_training import (
     token_counts,
 )
 from dspark_hf.hub import export, render_model_card
+from dspark_hf.decoding import sampling
 from dspark_hf.decoding.sampling import serial_sample
 from dspark_hf.training.trainer import (
     TrainingConfig,
@@ -167,7 +168,7 @@ def test_greedy_generation_with_a_reduced_draft_equals_the_target():
 
 @pytest.mark.parametrize("markov", [True, False])
 def test_greedy_loop_over_the_draft_columns_equals_the_whole_vocabulary_loop(markov):
-    # Greedy without processors the loop draws over the N draft columns (greedy_vocab_ids); handed
+    # Greedy without processors the loop draws over the N draft columns (column_vocab_ids); handed
     # whole-vocabulary logits it draws over V. Tokens and logits must agree, ties included: the
     # base logits are rounded to whole numbers so most rows tie, and the first maximum wins in
     # target-id order only if the columns map back in order.
@@ -201,6 +202,58 @@ def test_greedy_loop_over_the_draft_columns_equals_the_whole_vocabulary_loop(mar
     assert admitted.num_admitted == reference.num_admitted == 3
     assert torch.equal(admitted.tokens, reference.tokens) and torch.equal(admitted.logits, reference.logits)
     assert admitted.logits.shape[-1] == V
+
+
+def _recorded_draws(monkeypatch):
+    """The probability rows the serial loop draws from, as it draws them."""
+    rows, real = [], sampling.draw_categorical
+    monkeypatch.setattr(sampling, "draw_categorical", lambda probs, generator=None: rows.append(probs.clone())
+                        or real(probs, generator))
+    return rows
+
+
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_sampled_loop_with_exact_probabilities_draws_over_the_columns_and_returns_q(monkeypatch, temperature):
+    # A caller that verifies with the loop's own q (exact_probabilities) lets a sampled loop over a
+    # reduced draft draw over its N columns (temperature is the only processor allowed there); q is
+    # then the very rows drawn from, zero outside the subset, and the softmax of the logits handed
+    # over only up to rounding. Without the promise, or with top-k, rows stay vocabulary-wide.
+    target = _target()
+    draft = _reduced_draft(target)
+    draft.bind_target(target)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 4, 32, generator=gen)
+    anchors = torch.tensor([1, 2, 40])
+    columns = torch.randn(3, 4, len(IDS), generator=gen) * 2
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature else [])
+    drawn = _recorded_draws(monkeypatch)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[IDS] = False
+    with torch.no_grad():
+        sample = serial_sample(draft, columns, hidden, anchors, do_sample=True, logits_processor=processors,
+                               prefix_ids=anchors[:, None], exact_probabilities=True)
+        q = sample.probabilities
+        assert len(drawn) == 4 and all(rows.shape == (3, len(IDS)) for rows in drawn)
+        assert q.shape == (3, 4, V) and torch.all(q[..., outside] == 0)
+        assert torch.equal(q[..., IDS], torch.stack(drawn, dim=1))
+        torch.testing.assert_close(q, torch.softmax(sample.logits, -1), rtol=1e-5, atol=1e-7)
+        assert set(sample.tokens.flatten().tolist()) <= set(IDS)
+        assert torch.all(q.gather(-1, sample.tokens[..., None]) > 0)
+        # One request through the admitted loop (its LM head over the N columns, run inside it).
+        drawn.clear()
+        offers = []
+        admitted = serial_sample(draft, None, hidden[:1], anchors[:1], do_sample=True, logits_processor=processors,
+                                 prefix_ids=anchors[:1, None], exact_probabilities=True,
+                                 admission=lambda c: offers.append(c) or len(offers) <= 3)
+        assert admitted.num_admitted == 3 and admitted.probabilities.shape == (1, 3, V)
+        assert torch.equal(admitted.probabilities[..., IDS], torch.stack(drawn, dim=1))
+        assert torch.all(admitted.probabilities[..., outside] == 0)
+        for kwargs in ({}, {"logits_processor": LogitsProcessorList([TopKLogitsWarper(5)])}):
+            drawn.clear()
+            whole = serial_sample(draft, columns, hidden, anchors, do_sample=True, prefix_ids=anchors[:, None],
+                                  exact_probabilities="logits_processor" in kwargs, **kwargs)
+            assert all(rows.shape == (3, V) for rows in drawn)
+            assert (whole.probabilities is None) == ("logits_processor" not in kwargs)
 
 
 def test_reduced_head_runs_packed_when_the_target_is_prepared_for_cpu():
@@ -269,6 +322,8 @@ def test_sampling_with_a_reduced_draft_follows_the_target_and_a_misreported_q_is
         # what a wrong renormalisation reports: a finite logit outside the subset, 1 below the row's maximum
         row_max = sample.logits.amax(-1, keepdim=True)
         sample.logits = torch.where(torch.isinf(sample.logits), row_max - 1.0, sample.logits)
+        if sample.probabilities is not None:  # (none when nothing was admitted) what the verification reads
+            sample.probabilities = torch.softmax(sample.logits, -1)
         return sample
 
     monkeypatch.setattr(dspark_hf.decoding.candidate_generator, "serial_sample", misreported)

@@ -16,8 +16,9 @@ import torch
 import dspark_hf  # noqa: F401  (installs the dispatch)
 import transformers.generation.utils as generation_utils
 from dspark_hf.decoding import verification
-from dspark_hf.decoding.verification import (dspark_sampled_verification, is_sampled_verification_installed,
-                                             point_mass_logits, sampled_verification_active, verify_sampled_round)
+from dspark_hf.decoding.verification import (dspark_sampled_verification, hand_over_drafted,
+                                             is_sampled_verification_installed, point_mass_logits,
+                                             sampled_verification_active, verify_sampled_round)
 from tiny_models import bigram_target, markov_draft
 
 DRAWS = 12000
@@ -46,15 +47,16 @@ def _exact(p, q, proposed, residual_rule=True):
     return exact
 
 
-def _counts(q_logits, proposed, p_logits, in_call=False):
-    """Draws per (kept, next token) cell; ``in_call``: inside a DSpark call, where the proposal's point
-    mass is made anew each round (as the candidate generator does) and recognised by the verification."""
+def _counts(q_logits, proposed, p_logits, hand_over=None):
+    """Draws per (kept, next token) cell; ``hand_over``: inside a DSpark call, makes the round's logits
+    anew each round as the candidate generator does (a point mass, or drafted logits handed over with
+    their exact q), which the verification recognises."""
     torch.manual_seed(0)
     ids = torch.cat([torch.tensor([[3, 4]]), proposed[None]], dim=1)
     counts = {}
     for _ in range(DRAWS):
-        if in_call:
-            q_logits = point_mass_logits(proposed, p_logits.shape[-1])
+        if hand_over is not None:
+            q_logits = hand_over()
         valid, n = verify_sampled_round(ids, q_logits, proposed.numel(), p_logits)
         n = int(n)
         assert valid.shape == (1, n + 1) and valid[0, :n].tolist() == proposed[:n].tolist()
@@ -73,26 +75,35 @@ def _p_value(counts, exact):
     return torch.special.gammaincc(torch.tensor((cells - 1) / 2.0), torch.tensor(chi2 / 2.0)).item()
 
 
-@pytest.mark.parametrize("proposal", ["drafted", "point mass", "point mass, in a DSpark call", "none"])
+@pytest.mark.parametrize("proposal", ["drafted", "drafted, in a DSpark call", "point mass",
+                                      "point mass, in a DSpark call", "none"])
 def test_verification_draws_the_exact_distribution_and_a_wrong_rule_is_detected(proposal, monkeypatch):
     in_call = proposal.endswith("call")
     rows = []  # speculative_accept's draft rows per round: None where the proposal counts as deterministic
     monkeypatch.setattr(verification, "speculative_accept",
                         lambda *a, _f=verification.speculative_accept: rows.append(a[4]) or _f(*a))
-    if proposal == "drafted":
+    hand_over = None
+    if proposal.startswith("drafted"):
         q, q_logits, proposed = Q, _logits(Q)[None], PROPOSED
+        if in_call:  # the logits handed over are off; q comes from the loop, so the result must follow Q
+            wrong = _logits(Q.flip(-1))[None]
+            # transformers may copy the logits (to the target's device): the verification matches the round by shape
+            hand_over = lambda: hand_over_drafted(wrong, Q[None]).clone()  # noqa: E731
     elif proposal.startswith("point mass"):
         proposed = torch.tensor([0, 1])
         q_logits = point_mass_logits(proposed, P.shape[1])
+        if in_call:
+            hand_over = lambda: point_mass_logits(proposed, P.shape[1])  # noqa: E731
         q = torch.softmax(q_logits[0], -1)
         assert torch.equal(q, torch.nn.functional.one_hot(proposed, P.shape[1]).float())
     else:
         q, q_logits, proposed = Q[:0], torch.empty(1, 0, P.shape[1]), PROPOSED[:0]
     p = P[len(P) - proposed.numel() - 1:]
     with dspark_sampled_verification() if in_call else contextlib.nullcontext():
-        counts = _counts(q_logits, proposed, _logits(p)[None], in_call)
+        counts = _counts(q_logits, proposed, _logits(p)[None], hand_over)
     # Inside a DSpark call a point mass skips the softmax of its one-hot rows; elsewhere it is drafted logits.
-    assert all((r is None) == (in_call or proposal == "none") for r in rows) and len(rows) == DRAWS
+    deterministic = proposal == "none" or proposal == "point mass, in a DSpark call"
+    assert all((r is None) == deterministic for r in rows) and len(rows) == DRAWS
     assert _p_value(counts, _exact(p, q, proposed)) > 1e-3
     if proposal != "none":  # with nothing proposed there is no residual to get wrong
         assert _p_value(counts, _exact(p, q, proposed, residual_rule=False)) < 1e-6

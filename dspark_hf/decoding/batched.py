@@ -309,7 +309,8 @@ class BatchedDSparkGeneration:
         t1 = time.perf_counter()
         plan.sample = serial_sample(self.draft, base_logits, hidden, anchors, do_sample=self.do_sample,
                                     logits_processor=self.processors,
-                                    prefix_ids=anchors[:, None] if self.processors else None)
+                                    prefix_ids=anchors[:, None] if self.processors else None,
+                                    exact_probabilities=True)  # accept() verifies with the loop's own q
         plan.drafting = True
         plan.draft_time, plan.serial_time = t1 - t0, time.perf_counter() - t1
 
@@ -349,8 +350,11 @@ class BatchedDSparkGeneration:
         lengths = torch.tensor(plan.lengths, device=self.device)
         proposed = verify_ids[:, 1:]
         if self.do_sample:
-            draft_logits = plan.sample.logits.to(self.device) if plan.sample is not None else None
-            return speculative_accept(proposed, lengths, target_logits, draft_logits, plan.draft_rows)
+            sample = plan.sample
+            draft_logits = sample.logits.to(self.device) if sample is not None else None
+            probabilities = sample.probabilities.to(self.device) if sample is not None and sample.probabilities is not None \
+                else None
+            return speculative_accept(proposed, lengths, target_logits, draft_logits, plan.draft_rows, probabilities)
         choice = target_logits.argmax(-1)
         slots = torch.arange(proposed.shape[1], device=self.device)
         match = (proposed == choice[:, :-1]) & (slots[None] < lengths[:, None])

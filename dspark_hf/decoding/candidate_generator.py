@@ -42,7 +42,7 @@ from ..model.modeling_dspark import DSparkDraftModel
 from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, RoundStats
 from .sampling import serial_sample
 from .settings import resolve_settings
-from .verification import point_mass_logits, sampled_verification_active
+from .verification import hand_over_drafted, point_mass_logits, sampled_verification_active
 
 
 # Most target positions whose features wait for the draft's next run before they are fed anyway
@@ -238,6 +238,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             prefix_ids=input_ids,
             admission=self.rounds.admission(),
             max_positions=plan.budgets[0],
+            # DSpark's verification takes q from the loop (which may then draw over the draft vocabulary's columns).
+            exact_probabilities=self.do_sample and sampled_verification_active(),
         )
         t2 = time.perf_counter()
         head = sample.lm_head_seconds  # the lazily run LM head belongs to the draft forward
@@ -248,7 +250,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if keep == 0:
             return input_ids, self._no_candidate_logits()
         candidates = torch.cat([input_ids, sample.tokens[:, :keep].to(input_ids.device)], dim=1)
-        return candidates, sample.logits[:, :keep]
+        probabilities = sample.probabilities[:, :keep] if sample.probabilities is not None else None
+        return candidates, hand_over_drafted(sample.logits[:, :keep], probabilities)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """Records the round: ``num_matches`` of the verified draft tokens were accepted."""

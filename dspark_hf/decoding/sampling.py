@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 from ..model.heads import calibrated_confidences, confidence_logits
 from ..model.draft_vocab import markov_bias, scatter_to_vocab
@@ -73,8 +73,9 @@ class _SerialDraws:
         device = hidden_states.device
         self.draft = draft
         self.markov = draft.markov_head
-        # Set (greedy_vocab_ids): rows are the N draft-vocabulary columns and a choice maps to its target id.
+        # Set (column_vocab_ids): rows are the N draft-vocabulary columns and a choice maps to its target id.
         self.vocab_ids = vocab_ids
+        self.probs: torch.Tensor | None = None  # the distribution the last sampled token was drawn from
         self.hidden_states = hidden_states
         self.do_sample, self.generator, self.uniforms = do_sample, generator, uniforms
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
@@ -102,7 +103,9 @@ class _SerialDraws:
         if self.do_sample and self.uniforms is not None:
             self.prev = inverse_cdf_sample(row, self.uniforms[:, k])
         elif self.do_sample:
-            self.prev = draw_categorical(_probabilities(row), self.generator)
+            self.probs = _probabilities(row)
+            choice = draw_categorical(self.probs, self.generator)
+            self.prev = choice if self.vocab_ids is None else self.vocab_ids[choice]
         elif self.vocab_ids is not None:
             self.prev = self.vocab_ids[row.argmax(dim=-1)]
         else:
@@ -112,8 +115,8 @@ class _SerialDraws:
         return row
 
 
-def greedy_vocab_ids(draft: DSparkDraftModel, do_sample: bool,
-                     logits_processor: LogitsProcessorList | None) -> torch.LongTensor | None:
+def column_vocab_ids(draft: DSparkDraftModel, do_sample: bool, logits_processor: LogitsProcessorList | None, *,
+                     exact_probabilities: bool = False, by_uniforms: bool = False) -> torch.LongTensor | None:
     """The reduced draft vocabulary's ids when a block can be drawn over its N columns alone, else None.
 
     Greedy without logits processors, the argmax of a full-vocabulary row (``-inf`` outside the
@@ -122,14 +125,23 @@ def greedy_vocab_ids(draft: DSparkDraftModel, do_sample: bool,
     Working on N columns skips two vocabulary-wide scatters and a vocabulary-wide argmax per
     position and scatters the block's logits once at the end: a 7-position block of the shipped
     SmolLM2 draft (N = 16,384 of V = 49,152) took 3.4 instead of 4.3 ms in fp32 on a 2-core EPYC
-    (``benchmarks/round_overhead.py serial``). Sampling keeps whole-vocabulary rows: its
-    softmax must be the very one transformers computes on the logits handed to it, and a softmax
-    over N columns sums in another order (last-bit differences).
+    (``benchmarks/round_overhead.py serial``).
+
+    Sampling draws over the N columns too when the caller verifies with the loop's own
+    probabilities (``exact_probabilities``) and the processors act on each logit alone (none, or
+    temperature only): a softmax over N columns sums in another order than one over the scattered
+    row, so ``q`` must come from the loop, not from the softmax of the logits it hands over. Other
+    processors (top-k, top-p, penalties) and draws by given uniforms keep whole-vocabulary rows.
     """
     ids = getattr(draft, "draft_vocab_ids", None)
-    if do_sample or ids is None or (logits_processor is not None and len(logits_processor) > 0):
+    processors = list(logits_processor) if logits_processor is not None else []
+    if ids is None:
         return None
-    return ids
+    if not do_sample:
+        return None if processors else ids
+    if not exact_probabilities or by_uniforms:
+        return None
+    return ids if all(type(processor) is TemperatureLogitsWarper for processor in processors) else None
 
 
 def serial_sample(
@@ -146,6 +158,7 @@ def serial_sample(
     backend: str = "auto",
     admission: Callable[[float], bool] | None = None,
     max_positions: int | None = None,
+    exact_probabilities: bool = False,
 ) -> SerialSample:
     """Draws one block of draft tokens left to right.
 
@@ -179,12 +192,16 @@ def serial_sample(
             confidence head) is offered before ``x_k`` is drawn and the block ends at the first
             refusal. ``num_admitted`` of the result is the verification length.
         max_positions: offer at most this many positions (the generation's length budget).
+        exact_probabilities: sampling on this loop with :func:`draw_categorical`, also return the
+            distributions the tokens were drawn from (``probabilities``); the caller promises to
+            verify with them, which lets the loop draw over a reduced draft vocabulary's columns
+            (:func:`column_vocab_ids`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"serial_sample backend must be one of {BACKENDS}, got {backend!r}.")
     # The CUDA op takes whole-vocabulary logits; a caller's whole-vocabulary logits are drawn from as they are.
-    vocab_ids = None if _may_use_cuda_op(backend, hidden_states) else greedy_vocab_ids(draft, do_sample,
-                                                                                        logits_processor)
+    vocab_ids = None if _may_use_cuda_op(backend, hidden_states) else column_vocab_ids(
+        draft, do_sample, logits_processor, exact_probabilities=exact_probabilities, by_uniforms=uniforms is not None)
     if base_logits is not None and not _is_draft_vocab_wide(draft, base_logits):
         vocab_ids = None
     elif base_logits is not None and vocab_ids is None:
@@ -202,6 +219,7 @@ def serial_sample(
         raise ValueError(f"uniforms must have shape (R, gamma) = {(batch, gamma)}, got {tuple(uniforms.shape)}.")
     if admission is not None and batch != 1:
         raise ValueError(f"serial_sample admission decides one request; got {batch} rows (use admit_batch).")
+    keep_probabilities = do_sample and exact_probabilities and uniforms is None
     num_positions = gamma if max_positions is None else max(0, min(gamma, max_positions))
     if _may_use_cuda_op(backend, hidden_states):
         # Imported here, not at the top: CPU-only runs never load the op's module (it registers the
@@ -218,7 +236,7 @@ def serial_sample(
         return _sample_admitted(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,
                                 logits_processor=logits_processor, prefix_ids=prefix_ids, generator=generator,
                                 uniforms=uniforms, admission=admission, num_positions=num_positions,
-                                vocab_ids=vocab_ids)
+                                vocab_ids=vocab_ids, keep_probabilities=keep_probabilities)
 
     draws = _SerialDraws(draft, hidden_states, anchor_ids, do_sample=do_sample, logits_processor=logits_processor,
                          prefix_ids=prefix_ids, generator=generator, uniforms=uniforms, vocab_ids=vocab_ids)
@@ -231,13 +249,18 @@ def serial_sample(
     else:  # filled position by position with U_k + B_k (see add_markov_bias)
         base = base_logits
         logits = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
+    probabilities = torch.empty_like(logits) if keep_probabilities else None
     for k in range(gamma):
         row = draws.draw(k, base[:, k])
         if row.data_ptr() != logits[:, k].data_ptr():  # a view of `logits` already holds it
             logits[:, k] = row
+        if probabilities is not None:
+            probabilities[:, k] = draws.probs
         tokens[:, k] = draws.prev
     if vocab_ids is not None:
         logits = scatter_to_vocab(logits, vocab_ids, draft.config.vocab_size, float("-inf"))
+        if probabilities is not None:
+            probabilities = scatter_to_vocab(probabilities, vocab_ids, draft.config.vocab_size, 0.0)
 
     confidences = None
     if confidence is not None:
@@ -246,11 +269,12 @@ def serial_sample(
         confidences = calibrated_confidences(confidence_logits(draft, hidden_states, previous),
                                              None if temperatures is None else temperatures[:gamma])
     return SerialSample(tokens=tokens, logits=logits, confidences=confidences,
-                        uniforms=uniforms.to(device=tokens.device, dtype=torch.float32) if uniforms is not None else None)
+                        uniforms=uniforms.to(device=tokens.device, dtype=torch.float32) if uniforms is not None else None,
+                        probabilities=probabilities)
 
 
 def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample, logits_processor, prefix_ids,
-                     generator, uniforms, admission, num_positions, vocab_ids) -> SerialSample:
+                     generator, uniforms, admission, num_positions, vocab_ids, keep_probabilities) -> SerialSample:
     """The loop for one request that asks the policy before drawing each token."""
     has_confidence = draft.confidence_head is not None
     device = hidden_states.device
@@ -260,7 +284,7 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
     head = draft.base_logits if vocab_ids is None else draft.draft_vocab_logits
     first = 0  # position of base_logits[:, 0]
     lm_head_seconds = 0.0
-    tokens, logits, offered = [], [], []
+    tokens, logits, offered, probabilities = [], [], [], []
     for k in range(num_positions):
         c = position_confidence(draft, hidden_states, k, draws.prev, temperatures)
         offered.append(c)
@@ -272,16 +296,21 @@ def _sample_admitted(draft, base_logits, hidden_states, anchor_ids, *, do_sample
             lm_head_seconds = time.perf_counter() - start
         logits.append(draws.draw(k, base_logits[:, k - first]))
         tokens.append(draws.prev)
+        if keep_probabilities:
+            probabilities.append(draws.probs)
     logits = torch.stack(logits, dim=1) if tokens else None
+    probabilities = torch.stack(probabilities, dim=1) if probabilities else None
     if logits is not None and vocab_ids is not None:
         logits = scatter_to_vocab(logits, vocab_ids, draft.config.vocab_size, float("-inf"))
+        if probabilities is not None:
+            probabilities = scatter_to_vocab(probabilities, vocab_ids, draft.config.vocab_size, 0.0)
     return admitted_sample(
         torch.stack(tokens, dim=1) if tokens else None, logits, offered,
         has_confidence=has_confidence, uniforms=uniforms, lm_head_seconds=lm_head_seconds,
-        vocab_size=draft.config.vocab_size, device=device)
+        vocab_size=draft.config.vocab_size, device=device, probabilities=probabilities)
 
 
 # SerialSample, NON_FINITE_DRAFT_WARNING, add_markov_bias and inverse_cdf_sample live in
 # dspark_hf.decoding.serial_block (shared with the CUDA op) and are offered here too, where callers find them.
-__all__ = ["BACKENDS", "NON_FINITE_DRAFT_WARNING", "SerialSample", "add_markov_bias", "greedy_vocab_ids",
+__all__ = ["BACKENDS", "NON_FINITE_DRAFT_WARNING", "SerialSample", "add_markov_bias", "column_vocab_ids",
            "inverse_cdf_sample", "serial_sample"]

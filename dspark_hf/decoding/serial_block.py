@@ -44,6 +44,11 @@ class SerialSample:
         uniforms: when sampling by inverse CDF (the CUDA op always, the reference when given
             ``uniforms``), the numbers in [0, 1) the tokens were drawn with, (R, gamma) float32;
             otherwise ``None``.
+        probabilities: with ``exact_probabilities`` on a sampled reference loop that drew with
+            :func:`draw_categorical`, the very distributions the tokens were drawn from, (R, gamma, V)
+            float32 (zero outside a reduced draft vocabulary); a verification must use these as ``q``
+            (their softmax-of-``logits`` twin can differ in the last bit when the loop drew over a
+            reduced vocabulary's columns). ``None`` otherwise.
     """
 
     tokens: torch.LongTensor
@@ -53,6 +58,7 @@ class SerialSample:
     num_admitted: int | None = None
     lm_head_seconds: float = 0.0  # wall time of a lazily computed LM head (part of the draft forward)
     offered: list[float] | None = None  # with admission: the confidences offered, as Python floats
+    probabilities: torch.Tensor | None = None
 
     def finite_lengths(self) -> torch.Tensor:
         """(R,) long on the sample's device: how many leading drawn positions of each row had a
@@ -80,7 +86,8 @@ class SerialSample:
 
 def admitted_sample(tokens: torch.LongTensor | None, logits: torch.Tensor | None, offered: list[float], *,
                     has_confidence: bool, uniforms: torch.Tensor | None, lm_head_seconds: float,
-                    vocab_size: int, device: torch.device) -> SerialSample:
+                    vocab_size: int, device: torch.device,
+                    probabilities: torch.Tensor | None = None) -> SerialSample:
     """The :class:`SerialSample` of one request decided by the policy's ``admission``: both paths
     (the reference loop and the CUDA op's) build it here, so they set the same fields.
 
@@ -94,10 +101,12 @@ def admitted_sample(tokens: torch.LongTensor | None, logits: torch.Tensor | None
         uniforms: the numbers the tokens were drawn with, or None.
         lm_head_seconds: wall time of the lazily run LM head.
         vocab_size, device: the shape and place of the empty result when nothing was admitted.
+        probabilities: the distributions the admitted tokens were drawn from (1, keep, V), or None.
     """
     if tokens is None:
         tokens = torch.empty(1, 0, dtype=torch.long, device=device)
         logits = torch.empty(1, 0, vocab_size, device=device)
+        probabilities = None
     return SerialSample(
         tokens=tokens,
         logits=logits,
@@ -106,6 +115,7 @@ def admitted_sample(tokens: torch.LongTensor | None, logits: torch.Tensor | None
         num_admitted=tokens.shape[1],
         lm_head_seconds=lm_head_seconds,
         offered=offered,
+        probabilities=probabilities,
     )
 
 

@@ -34,14 +34,19 @@ from .serial_block import draw_categorical
 logger = logging.get_logger(__name__)
 
 class _DSparkCall:
-    """What the verification knows of one batch-1 DSpark generate call: the point-mass logits it
-    handed transformers this round, so that verifying them skips a softmax of one-hot rows (2 ms
-    for a 10-token copy at V = 49,152 on a 2-core Zen 4)."""
+    """What the verification knows of one batch-1 DSpark generate call about the logits it handed
+    transformers this round: the point mass of a lookup copy, so that verifying it skips a softmax
+    of one-hot rows (2 ms for a 10-token copy at V = 49,152 on a 2-core Zen 4), or the exact
+    distributions the drafted tokens were drawn from (the serial loop may have drawn them over a
+    reduced vocabulary's columns, where the softmax of the logits can differ in the last bit; and
+    recomputing it would cost a vocabulary-wide softmax per position). Both are set by the candidate
+    generator just before transformers verifies the round and cleared by the verification."""
 
-    __slots__ = ("point_mass",)
+    __slots__ = ("point_mass", "drafted")
 
     def __init__(self) -> None:
         self.point_mass: torch.Tensor | None = None
+        self.drafted: torch.Tensor | None = None
 
 
 # Set while this thread (or task) runs a batch-1 DSpark generate call; transformers' own assisted
@@ -53,7 +58,8 @@ _EXPECTED_PARAMETERS = ("candidate_input_ids", "candidate_logits", "candidate_le
 
 
 def speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, target_logits: torch.Tensor,
-                       draft_logits: torch.Tensor | None, draft_rows: torch.Tensor | None):
+                       draft_logits: torch.Tensor | None, draft_rows: torch.Tensor | None,
+                       draft_probabilities: torch.Tensor | None = None):
     """Per-row speculative sampling (Leviathan et al.).
 
     Args:
@@ -63,6 +69,9 @@ def speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, target
         draft_logits: the exact logits the drafted rows' tokens were drawn from, (D, K_d, V).
         draft_rows: which rows those are, (D,). Every other row's proposal is deterministic (a
             context-lookup copy): ``q`` is one-hot at its token.
+        draft_probabilities: the exact distributions the drafted tokens were drawn from, (D, K_d, V)
+            (:attr:`~dspark_hf.decoding.serial_block.SerialSample.probabilities`); when given they are
+            ``q`` and ``draft_logits`` is not read.
 
     Returns:
         (accepted ``n_r``, next token) per row. Position k is kept with probability
@@ -78,7 +87,7 @@ def speculative_accept(proposed: torch.LongTensor, lengths: torch.Tensor, target
     q_tok = torch.ones_like(p_tok)
     drafted = draft_rows is not None and draft_rows.numel() > 0
     if drafted:
-        q = torch.softmax(draft_logits, dim=-1)
+        q = torch.softmax(draft_logits, dim=-1) if draft_probabilities is None else draft_probabilities
         drafted_width = min(width, q.shape[1])
         q_tok[draft_rows, :drafted_width] = q[:, :drafted_width].gather(
             -1, proposed[draft_rows, :drafted_width, None]).squeeze(-1)
@@ -113,6 +122,15 @@ def point_mass_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.Tensor
     return logits
 
 
+def hand_over_drafted(logits: torch.Tensor, probabilities: torch.Tensor | None) -> torch.Tensor:
+    """Returns ``logits`` (the drafted tokens' logits handed to transformers) after noting, inside a
+    DSpark call, the exact distributions they were drawn from, which the verification then uses as ``q``."""
+    call = _DSPARK_CALL.get()
+    if call is not None and probabilities is not None:
+        call.drafted = probabilities
+    return logits
+
+
 def verify_sampled_round(candidate_input_ids: torch.LongTensor, candidate_logits: torch.Tensor,
                          candidate_length: int, new_logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
     """transformers' ``_speculative_sampling`` contract for one sequence, by :func:`speculative_accept`.
@@ -130,12 +148,16 @@ def verify_sampled_round(candidate_input_ids: torch.LongTensor, candidate_logits
     lengths = torch.full((1,), candidate_length, dtype=torch.long, device=proposed.device)
     call = _DSPARK_CALL.get()
     point_mass = call is not None and call.point_mass is not None and candidate_logits is call.point_mass
+    probabilities = None
     if call is not None:
-        call.point_mass = None
+        # This round's, matched by shape: transformers moves the logits to the target's device (a new tensor there).
+        if call.drafted is not None and call.drafted.shape == candidate_logits.shape:
+            probabilities = call.drafted.to(candidate_logits.device)
+        call.point_mass = call.drafted = None
     drafted = candidate_length > 0 and not point_mass  # a point mass is speculative_accept's deterministic row
     draft_rows = torch.zeros(1, dtype=torch.long, device=proposed.device) if drafted else None
     accepted, next_token = speculative_accept(proposed, lengths, new_logits, candidate_logits if drafted else None,
-                                              draft_rows)
+                                              draft_rows, probabilities if drafted else None)
     n_matches = int(accepted[0])
     return torch.cat([proposed[:, :n_matches], next_token.view(1, 1)], dim=1), accepted[0]
 
@@ -187,6 +209,7 @@ def is_sampled_verification_installed() -> bool:
 
 __all__ = [
     "dspark_sampled_verification",
+    "hand_over_drafted",
     "install_sampled_verification",
     "is_sampled_verification_installed",
     "point_mass_logits",

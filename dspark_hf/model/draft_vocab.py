@@ -11,9 +11,10 @@ Lossless by construction: generation scatters the N-wide logits back to the full
 therefore gives probability exactly zero to every other token, the logits handed to transformers'
 rejection sampling are the distribution the token was drawn from, and a token outside the subset is
 produced by the residual distribution when the target wants it. Everything downstream (logits
-processors, the CUDA op, the scheduler) sees full-vocabulary tensors as before; only the greedy serial
-loop without processors draws over the N columns and scatters the block once
-(:func:`~dspark_hf.decoding.sampling.greedy_vocab_ids`: the same argmax, since the ids are sorted).
+processors, the CUDA op, the scheduler) sees full-vocabulary tensors as before; only the serial loop
+draws over the N columns and scatters the block once, where that changes nothing
+(:func:`~dspark_hf.decoding.sampling.column_vocab_ids`: greedy without processors, the same argmax
+since the ids are sorted; sampling when the caller verifies with the loop's own probabilities).
 The CUDA kernels need no change: they receive the scattered logits and a vocabulary-wide ``W2``
 with zero rows outside the subset (:func:`full_vocab_markov_w2`).
 
