@@ -25,7 +25,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -116,59 +115,6 @@ DSPARK_AVX2 void score_block(const float* q, int64_t D, const T* k, int64_t k_st
 #pragma GCC unroll 3
     for (int i = 0; i < NQ; ++i) {
       const __m128 four = _mm_mul_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), scale4);
-      if (live == 4) {
-        _mm_storeu_ps(scores[i] + t, four);
-      } else {
-        alignas(16) float tail[4];
-        _mm_store_ps(tail, four);
-        for (int j = 0; j < live; ++j) scores[i][t + j] = tail[j];
-      }
-    }
-  }
-}
-
-#define DSPARK_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
-
-// TRIAL: score_block for bfloat16 queries and keys (D a multiple of 32) with VDPBF16PS.
-template <int NQ>
-DSPARK_AVX512_BF16 void score_block_dot(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride,
-                                        int64_t keys, float scale, float* const* scores) {
-  const __m128 scale4 = _mm_set1_ps(scale);
-  for (int64_t t = 0; t < keys; t += 4) {
-    const int live = static_cast<int>(std::min<int64_t>(4, keys - t));
-    const uint16_t* kt = k + t * k_stride;
-    __m512 acc[NQ][4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-#pragma GCC unroll 3
-      for (int i = 0; i < NQ; ++i) acc[i][j] = _mm512_setzero_ps();
-    }
-    for (int64_t d = 0; d < D; d += 32) {
-      __m512bh qd[NQ];
-#pragma GCC unroll 3
-      for (int i = 0; i < NQ; ++i) qd[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + i * D + d));
-      if (live == 4) {
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          const __m512bh kd = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + j * k_stride + d));
-#pragma GCC unroll 3
-          for (int i = 0; i < NQ; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qd[i], kd);
-        }
-      } else {
-        for (int j = 0; j < live; ++j) {
-          const __m512bh kd = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + j * k_stride + d));
-          for (int i = 0; i < NQ; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qd[i], kd);
-        }
-      }
-    }
-#pragma GCC unroll 3
-    for (int i = 0; i < NQ; ++i) {
-      __m256 halves[4];
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j)
-        halves[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[i][j]),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][j]), 1)));
-      const __m128 four = _mm_mul_ps(reduce4(halves[0], halves[1], halves[2], halves[3]), scale4);
       if (live == 4) {
         _mm_storeu_ps(scores[i] + t, four);
       } else {
@@ -297,24 +243,16 @@ int64_t block_size(int64_t heads, int64_t per_head, int64_t threads) {
   return best;
 }
 
-template <int NQ, typename KT, typename VT>
-DSPARK_AVX2 void attend_block(const float* q, const uint16_t* q_pairs, int64_t D, const KT* k, int64_t k_stride,
-                              const VT* v, int64_t v_stride, const bool* const* masks, const int64_t* keys, float scale,
-                              float* const* scores, float* const* sums) {
+template <int NQ, typename T>
+DSPARK_AVX2 void attend_block(const float* q, int64_t D, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                              const bool* const* masks, const int64_t* keys, float scale, float* const* scores,
+                              float* const* sums) {
   int64_t most = keys[0];
   for (int i = 1; i < NQ; ++i) most = std::max(most, keys[i]);
-  if constexpr (std::is_same<KT, c10::BFloat16>::value) {
-    if (q_pairs != nullptr) {
-      score_block_dot<NQ>(q_pairs, D, reinterpret_cast<const uint16_t*>(k), k_stride, most, scale, scores);
-    } else {
-      score_block<NQ, KT>(q, D, k, k_stride, most, scale, scores);
-    }
-  } else {
-    score_block<NQ, KT>(q, D, k, k_stride, most, scale, scores);
-  }
+  score_block<NQ, T>(q, D, k, k_stride, most, scale, scores);
   float inverse[NQ];
   for (int i = 0; i < NQ; ++i) inverse[i] = softmax_in_place(scores[i], masks[i], keys[i]);
-  sum_values<NQ, VT>(v, v_stride, D, scores, keys, inverse, sums);
+  sum_values<NQ, T>(v, v_stride, D, scores, keys, inverse, sums);
 }
 
 // out[0 .. D-1] = row rounded to T (c10's rounding: to nearest even).
@@ -331,15 +269,14 @@ DSPARK_AVX2 void widen_rows(const T* rows, int64_t stride, int64_t T_rows, int64
   }
 }
 
-template <typename KT, typename VT>
-void attend_live(int live, const float* q, const uint16_t* q_pairs, int64_t D, const KT* k, int64_t k_stride,
-                 const VT* v, int64_t v_stride, const bool* const* masks, const int64_t* keys, float scale,
-                 float* const* scores, float* const* sums) {
+template <typename T>
+void attend_live(int live, const float* q, int64_t D, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                 const bool* const* masks, const int64_t* keys, float scale, float* const* scores, float* const* sums) {
   switch (live) {
     case 0: break;
-    case 1: attend_block<1, KT, VT>(q, q_pairs, D, k, k_stride, v, v_stride, masks, keys, scale, scores, sums); break;
-    case 2: attend_block<2, KT, VT>(q, q_pairs, D, k, k_stride, v, v_stride, masks, keys, scale, scores, sums); break;
-    default: attend_block<3, KT, VT>(q, q_pairs, D, k, k_stride, v, v_stride, masks, keys, scale, scores, sums); break;
+    case 1: attend_block<1, T>(q, D, k, k_stride, v, v_stride, masks, keys, scale, scores, sums); break;
+    case 2: attend_block<2, T>(q, D, k, k_stride, v, v_stride, masks, keys, scale, scores, sums); break;
+    default: attend_block<3, T>(q, D, k, k_stride, v, v_stride, masks, keys, scale, scores, sums); break;
   }
 }
 
@@ -359,10 +296,8 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
   const int64_t per_head = group * L;
   const int64_t block = block_size(B * kv_heads, per_head, at::get_num_threads());
   const int64_t blocks = (per_head + block - 1) / block;
-  const bool dot = std::is_same<T, c10::BFloat16>::value && isa_level() >= 2 && D % 32 == 0;
   at::parallel_for(0, B * kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_rows(kMaxBlock * D), score_rows(kMaxBlock * (T_keys + 8)), sum_rows(kMaxBlock * D);
-    std::vector<uint16_t> q_pairs(dot ? kMaxBlock * D : 0);
     // bfloat16 / float16 keys and values widened once per head for the thread's blocks of it (exact, so the
     // numbers are those of widening them on the fly, as a head with few queries here does); the buffers
     // live on with the thread because fresh 100 KB allocations every call cost page faults.
@@ -391,7 +326,6 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
         }
         const T* q_row = q + b * query.stride(0) + h * query.stride(1) + l * query.stride(2);
         for (int64_t d = 0; d < D; ++d) q_rows[live * D + d] = static_cast<float>(q_row[d]);
-        if (dot) std::memcpy(q_pairs.data() + live * D, q_row, D * sizeof(uint16_t));
         out_rows[live] = out_row, masks[live] = row_mask, keys[live] = seen;
         scores[live] = score_rows.data() + live * (T_keys + 8), sums[live] = sum_rows.data() + live * D;
         ++live;
@@ -403,26 +337,18 @@ void run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tens
       // Widening a head pays from about four queries on (measured: three one-token queries ran slower so).
       const int64_t head_end = std::min(end, (head + 1) * blocks);  // this thread's last block of the head, + 1
       const int64_t queries_left = std::min(per_head, (head_end - head * blocks) * block) - first;
-      const uint16_t* pairs = dot ? q_pairs.data() : nullptr;
       if (!std::is_same<T, float>::value && (widened == head || queries_left >= 4)) {
         if (widened != head) {
-          const size_t size = static_cast<size_t>(T_keys * D);
-          if (!dot && wide_keys.size() < size) wide_keys.resize(size);
-          if (wide_values.size() < size) wide_values.resize(size);
-          if (!dot) widen_rows<T>(k_head, key.stride(2), T_keys, D, wide_keys.data());
+          if (wide_keys.size() < static_cast<size_t>(T_keys * D)) {
+            wide_keys.resize(T_keys * D), wide_values.resize(T_keys * D);
+          }
+          widen_rows<T>(k_head, key.stride(2), T_keys, D, wide_keys.data());
           widen_rows<T>(v_head, value.stride(2), T_keys, D, wide_values.data());
           widened = head;
         }
-        if (dot) {
-          attend_live<T, float>(live, q_rows.data(), pairs, D, k_head, key.stride(2), wide_values.data(), D, masks, keys,
-                                s, scores, sums);
-        } else {
-          attend_live<float, float>(live, q_rows.data(), nullptr, D, wide_keys.data(), D, wide_values.data(), D, masks,
-                                    keys, s, scores, sums);
-        }
+        attend_live<float>(live, q_rows.data(), D, wide_keys.data(), D, wide_values.data(), D, masks, keys, s, scores, sums);
       } else {
-        attend_live<T, T>(live, q_rows.data(), pairs, D, k_head, key.stride(2), v_head, value.stride(2), masks, keys, s,
-                          scores, sums);
+        attend_live<T>(live, q_rows.data(), D, k_head, key.stride(2), v_head, value.stride(2), masks, keys, s, scores, sums);
       }
       for (int n = 0; n < live; ++n) store_row(sums[n], D, out_rows[n]);
     }

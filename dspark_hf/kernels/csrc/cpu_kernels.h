@@ -14,7 +14,6 @@ torch::Tensor row_block_linear(const torch::Tensor& input, const torch::Tensor& 
 std::string cpu_isa();
 std::string isa();
 void set_isa(const std::string& name);
-int isa_level();
 
 // cpu_few_query_attention.cpp
 torch::Tensor few_query_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,

@@ -429,7 +429,6 @@ torch::Tensor row_block_linear(const torch::Tensor& input, const torch::Tensor& 
 }
 
 std::string cpu_isa() { return kIsaNames[kCpuIsa]; }
-int isa_level() { return g_isa.load(std::memory_order_relaxed); }
 std::string isa() { return kIsaNames[g_isa.load()]; }
 
 // Selects the instruction set for later calls (to compare paths on one machine); never above the CPU's.
