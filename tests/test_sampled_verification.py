@@ -166,6 +166,29 @@ def test_transformers_assisted_generation_outside_dspark_keeps_its_own_verificat
     assert torch.equal(routed, lookup_generation())  # same draws, same tokens as without dspark_hf
 
 
+def test_a_round_reads_only_what_it_was_handed():
+    # q handed over for one round must not serve a later round that handed nothing over (begin_round,
+    # called by the candidate generator): there the logits' own softmax is q.
+    q_logits = _logits(Q)[None]
+    ids = torch.cat([torch.tensor([[3, 4]]), PROPOSED[None]], dim=1)
+    p_logits = _logits(P)[None]
+    seen = []
+    original = verification.speculative_accept
+
+    def recording(*args):
+        seen.append(args[5])
+        return original(*args)
+
+    with dspark_sampled_verification(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verification, "speculative_accept", recording)
+        hand_over_drafted(q_logits, torch.softmax(q_logits, -1))
+        verification.begin_round()
+        verify_sampled_round(ids, q_logits, 2, p_logits)
+        hand_over_drafted(q_logits, torch.softmax(q_logits, -1))
+        verify_sampled_round(ids, q_logits, 2, p_logits)
+    assert seen[0] is None and seen[1] is not None
+
+
 def test_the_dspark_mark_belongs_to_the_call_and_its_thread():
     assert not sampled_verification_active()
     seen = []

@@ -42,7 +42,7 @@ from ..model.modeling_dspark import DSparkDraftModel
 from .rounds import DSparkGenerationStats, RoundDecisions, RoundPlan, RoundStats
 from .sampling import serial_sample
 from .settings import resolve_settings
-from .verification import hand_over_drafted, point_mass_logits, sampled_verification_active
+from .verification import begin_round, hand_over_drafted, point_mass_logits, sampled_verification_active
 
 
 # Most target positions whose features wait for the draft's next run before they are fed anyway
@@ -180,6 +180,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Drafts, schedules and returns ``(input_ids + candidates, candidate logits)`` or ``(input_ids, None)``."""
         self.plan = None
+        begin_round()
         if is_first_iteration:
             self._prefill_start = time.perf_counter()
             # With inputs_embeds (alone or longer than input_ids) the prompt's positions are not in input_ids.

@@ -122,6 +122,14 @@ def point_mass_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.Tensor
     return logits
 
 
+def begin_round() -> None:
+    """Forgets what an earlier round of this DSpark call handed over, so a round reads only its own
+    (called by the candidate generator before it proposes anything)."""
+    call = _DSPARK_CALL.get()
+    if call is not None:
+        call.point_mass = call.drafted = None
+
+
 def hand_over_drafted(logits: torch.Tensor, probabilities: torch.Tensor | None) -> torch.Tensor:
     """Returns ``logits`` (the drafted tokens' logits handed to transformers) after noting, inside a
     DSpark call, the exact distributions they were drawn from, which the verification then uses as ``q``."""
@@ -208,6 +216,7 @@ def is_sampled_verification_installed() -> bool:
 
 
 __all__ = [
+    "begin_round",
     "dspark_sampled_verification",
     "hand_over_drafted",
     "install_sampled_verification",
