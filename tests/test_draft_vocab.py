@@ -248,6 +248,9 @@ def test_sampled_loop_with_exact_probabilities_draws_over_the_columns_and_return
         assert admitted.num_admitted == 3 and admitted.probabilities.shape == (1, 3, V)
         assert torch.equal(admitted.probabilities[..., IDS], torch.stack(drawn, dim=1))
         assert torch.all(admitted.probabilities[..., outside] == 0)
+        # The former name answers as before: sampling without the promise stays vocabulary-wide.
+        assert sampling.greedy_vocab_ids(draft, True, None) is None
+        assert torch.equal(sampling.greedy_vocab_ids(draft, False, None), draft.draft_vocab_ids)
         for kwargs in ({}, {"logits_processor": LogitsProcessorList([TopKLogitsWarper(5)])}):
             drawn.clear()
             whole = serial_sample(draft, columns, hidden, anchors, do_sample=True, prefix_ids=anchors[:, None],

@@ -144,6 +144,10 @@ def column_vocab_ids(draft: DSparkDraftModel, do_sample: bool, logits_processor:
     return ids if all(type(processor) is TemperatureLogitsWarper for processor in processors) else None
 
 
+# Its former name: called as before (no exact_probabilities), it answers as it did.
+greedy_vocab_ids = column_vocab_ids
+
+
 def serial_sample(
     draft: DSparkDraftModel,
     base_logits: torch.Tensor,
