@@ -8,6 +8,7 @@ from transformers import pipeline
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf.decoding.batched as batched
+from dspark_hf.decoding import sampling
 from dspark_hf import FixedLengthPolicy, PrefixScheduler
 from generation_helpers import left_pad
 from test_lossless_sampling import CONFIDENCE_LOGITS, DRAFT_PROBS, SPS, TARGET_PROBS, AnticipatingScheduler, _log
@@ -135,11 +136,12 @@ ROWS = [[2], [0, 3], [1]]  # last tokens 2, 3, 1: three different exact distribu
 NUM_TOKENS, NUM_SAMPLES = 3, 1500
 
 
-def _batched_p_values(policy, seed=0, rows=ROWS, **generate_kwargs):
+def _batched_p_values(policy, seed=0, rows=ROWS, draft_vocab_ids=None, **generate_kwargs):
     """Chi-square p-value per row of batched sampling against the exact distribution; the rounds
     per draft source land in ``_batched_p_values.sources`` (for the context-lookup tests)."""
     target = bigram_target(_log(TARGET_PROBS))
-    draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS)
+    draft = markov_draft(target, _log(DRAFT_PROBS), block_size=3, confidence_logits=CONFIDENCE_LOGITS,
+                         draft_vocab_ids=draft_vocab_ids)
     draft.generation_config.dspark_verify_policy = policy
     draft.generation_config.dspark_adaptive_drafting = False
     ids, mask = left_pad(rows, PAD)
@@ -181,6 +183,31 @@ def test_batched_sampling_matches_the_target_distribution_per_row():
     p_values, scheduled = _batched_p_values(PrefixScheduler(BATCH_SPS))
     assert scheduled[0] > 0 and scheduled[1] > 0 and scheduled[3] > 0, scheduled
     assert min(p_values) > 1e-3, f"a row deviates from the target distribution: p = {p_values}"
+
+
+def test_batched_sampling_with_a_reduced_draft_draws_over_its_columns_and_matches_the_target(monkeypatch):
+    # The batched loop verifies with the serial loop's own q, so a reduced draft (tokens 0, 1, 3) is
+    # sampled over its three columns; token 2, outside them, can only come from the residual. Every
+    # row must still follow the target.
+    widths, real = [], sampling.draw_categorical
+    monkeypatch.setattr(sampling, "draw_categorical",
+                        lambda probs, generator=None: widths.append(probs.shape[-1]) or real(probs, generator))
+    p_values, scheduled = _batched_p_values(PrefixScheduler(BATCH_SPS), draft_vocab_ids=[0, 1, 3])
+    assert widths and set(widths) == {3}, set(widths)
+    assert scheduled[1] > 0 and scheduled[3] > 0, scheduled
+    assert min(p_values) > 1e-3, f"a row deviates from the target distribution: p = {p_values}"
+    # Power: the same run with q renormalised over the whole vocabulary (mass on token 2) must fail.
+    real_serial = batched.serial_sample
+
+    def misreported(*args, **kwargs):
+        sample = real_serial(*args, **kwargs)
+        row_max = sample.logits.amax(-1, keepdim=True)
+        sample.probabilities = torch.softmax(torch.where(torch.isinf(sample.logits), row_max - 1.0, sample.logits), -1)
+        return sample
+
+    monkeypatch.setattr(batched, "serial_sample", misreported)
+    p_values, _ = _batched_p_values(PrefixScheduler(BATCH_SPS), draft_vocab_ids=[0, 1, 3])
+    assert min(p_values) < 1e-5, f"the test failed to detect a misreported q: p = {p_values}"
 
 
 def test_batched_anticipating_scheduler_is_detected():

@@ -350,10 +350,10 @@ class BatchedDSparkGeneration:
         lengths = torch.tensor(plan.lengths, device=self.device)
         proposed = verify_ids[:, 1:]
         if self.do_sample:
-            sample = plan.sample
-            draft_logits = sample.logits.to(self.device) if sample is not None else None
-            probabilities = sample.probabilities.to(self.device) if sample is not None and sample.probabilities is not None \
-                else None
+            sample, draft_logits, probabilities = plan.sample, None, None
+            if sample is not None:
+                draft_logits = sample.logits.to(self.device)
+                probabilities = None if sample.probabilities is None else sample.probabilities.to(self.device)
             return speculative_accept(proposed, lengths, target_logits, draft_logits, plan.draft_rows, probabilities)
         choice = target_logits.argmax(-1)
         slots = torch.arange(proposed.shape[1], device=self.device)
