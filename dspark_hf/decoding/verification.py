@@ -34,19 +34,20 @@ from .serial_block import draw_categorical
 logger = logging.get_logger(__name__)
 
 class _DSparkCall:
-    """What the verification knows of one batch-1 DSpark generate call about the logits it handed
-    transformers this round: the point mass of a lookup copy, so that verifying it skips a softmax
-    of one-hot rows (2 ms for a 10-token copy at V = 49,152 on a 2-core Zen 4), or the exact
-    distributions the drafted tokens were drawn from (the serial loop may have drawn them over a
-    reduced vocabulary's columns, where the softmax of the logits can differ in the last bit; and
-    recomputing it would cost a vocabulary-wide softmax per position). Both are set by the candidate
-    generator just before transformers verifies the round and cleared by the verification."""
+    """What one batch-1 DSpark generate call handed transformers this round, for the verification:
+    a lookup copy's point mass (its shape), so that verifying it skips a softmax of one-hot rows (2 ms
+    for a 10-token copy at V = 49,152 on a 2-core Zen 4), or the exact distributions the drafted
+    tokens were drawn from (the serial loop may have drawn them over a reduced vocabulary's columns,
+    where the softmax of the logits can differ in the last bit; and recomputing it would cost a
+    vocabulary-wide softmax per position). Set when the round's logits are made and forgotten when
+    the next round begins (:func:`begin_round`); the verification matches them to the logits
+    transformers passes back by shape, because transformers moves those to the target's device."""
 
-    __slots__ = ("point_mass", "drafted")
+    __slots__ = ("point_mass_shape", "probabilities")
 
     def __init__(self) -> None:
-        self.point_mass: torch.Tensor | None = None
-        self.drafted: torch.Tensor | None = None
+        self.point_mass_shape: torch.Size | None = None
+        self.probabilities: torch.Tensor | None = None
 
 
 # Set while this thread (or task) runs a batch-1 DSpark generate call; transformers' own assisted
@@ -118,7 +119,7 @@ def point_mass_logits(tokens: torch.LongTensor, vocab_size: int) -> torch.Tensor
     logits.scatter_(-1, tokens.view(1, -1, 1), 0.0)
     call = _DSPARK_CALL.get()
     if call is not None:
-        call.point_mass = logits
+        call.point_mass_shape = logits.shape
     return logits
 
 
@@ -127,15 +128,15 @@ def begin_round() -> None:
     (called by the candidate generator before it proposes anything)."""
     call = _DSPARK_CALL.get()
     if call is not None:
-        call.point_mass = call.drafted = None
+        call.point_mass_shape = call.probabilities = None
 
 
 def hand_over_drafted(logits: torch.Tensor, probabilities: torch.Tensor | None) -> torch.Tensor:
     """Returns ``logits`` (the drafted tokens' logits handed to transformers) after noting, inside a
     DSpark call, the exact distributions they were drawn from, which the verification then uses as ``q``."""
     call = _DSPARK_CALL.get()
-    if call is not None and probabilities is not None:
-        call.drafted = probabilities
+    if call is not None:
+        call.probabilities = probabilities
     return logits
 
 
@@ -155,13 +156,10 @@ def verify_sampled_round(candidate_input_ids: torch.LongTensor, candidate_logits
     proposed = candidate_input_ids[:, candidate_input_ids.shape[1] - candidate_length:]
     lengths = torch.full((1,), candidate_length, dtype=torch.long, device=proposed.device)
     call = _DSPARK_CALL.get()
-    point_mass = call is not None and call.point_mass is not None and candidate_logits is call.point_mass
+    point_mass = call is not None and call.point_mass_shape == candidate_logits.shape
     probabilities = None
-    if call is not None:
-        # This round's, matched by shape: transformers moves the logits to the target's device (a new tensor there).
-        if call.drafted is not None and call.drafted.shape == candidate_logits.shape:
-            probabilities = call.drafted.to(candidate_logits.device)
-        call.point_mass = call.drafted = None
+    if call is not None and call.probabilities is not None and call.probabilities.shape == candidate_logits.shape:
+        probabilities = call.probabilities.to(candidate_logits.device)
     drafted = candidate_length > 0 and not point_mass  # a point mass is speculative_accept's deterministic row
     draft_rows = torch.zeros(1, dtype=torch.long, device=proposed.device) if drafted else None
     accepted, next_token = speculative_accept(proposed, lengths, new_logits, candidate_logits if drafted else None,
