@@ -37,7 +37,9 @@ tensor's identity and version counter and packs it again.
 Cost: one extra copy of every packed weight (for SmolLM2-135M about 540 MB next to the model's
 540 MB; twice the weight's own size for oneDNN's float32 copy of half-precision weights) and the
 packing and timing at prepare time, both logged. The timing is done once per machine: its outcome
-is kept on disk (:mod:`dspark_hf.kernels.kernel_choices`).
+is kept on disk (:mod:`dspark_hf.kernels.kernel_choices`). Where Linux offers transparent huge pages, the
+row-block copies then move into one buffer on 2 MB pages, which the step streams faster
+(:mod:`dspark_hf.kernels.cpu_huge_pages`; ``huge_pages=False`` keeps them where they are).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
-from . import cpu_row_block, kernel_choices
+from . import cpu_huge_pages, cpu_row_block, kernel_choices
 from .cpu_attention import use_cpu_gqa_attention
 from .cpu_decoder import use_lean_decoder
 from .cpu_invariant import use_batch_invariant_verify
@@ -350,7 +352,8 @@ def _skip_reason(module: nn.Linear) -> str | None:
 
 
 def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
-                     packed_kernel: str | None = None, batch_invariant: bool = False) -> nn.Module:
+                     packed_kernel: str | None = None, batch_invariant: bool = False,
+                     huge_pages: bool = True) -> nn.Module:
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
     Every ``nn.Linear`` on the CPU runs from a copy of its weight packed once, with the kernel that
@@ -394,6 +397,9 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
             fp16 too (:mod:`dspark_hf.kernels.cpu_invariant`): every linear on the row-block kernel from
             one row, attention per query token in cached multi-token steps, checked on a probe. Costs
             some verify speed; raises ``ValueError`` with the reason where it cannot hold.
+        huge_pages: put the row-block kernel's packed weights in one buffer on 2 MB pages where Linux offers
+            transparent huge pages (:mod:`dspark_hf.kernels.cpu_huge_pages`: the same bytes, read faster); logged
+            where it cannot. ``False`` leaves them in ordinary memory.
     """
     if packed_min_rows is not None and (isinstance(packed_min_rows, bool) or not isinstance(packed_min_rows, int)
                                         or packed_min_rows < 1):
@@ -410,6 +416,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
     _pack_linear_layers(model, packed_min_rows, packed_kernel)
     first_parameter = next(model.parameters(), None)
     if first_parameter is not None and first_parameter.device.type == "cpu":
+        if huge_pages:
+            _place_on_huge_pages(model)
         use_cpu_gqa_attention(model)
         use_lean_decoder(model)
         if batch_invariant:
@@ -489,6 +497,47 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
                               for (o, i, d), (k, r) in sorted(choices.items(), key=str)))
     for reason, names in skipped.items():
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
+
+
+def _row_block_copies(model: nn.Module) -> tuple[list[torch.Tensor], dict[int, list[PackedLinear]]]:
+    """The row-block packed copies of ``model``'s layers not yet on huge pages (packing any not packed yet), and
+    the layers using each, by the copy's id (a copy may serve several layers)."""
+    copies, owners = [], {}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, PackedLinear) and module.__dict__.get(_KERNEL_ATTRIBUTE) == ROW_BLOCK:
+                copy = module._packed_entry()[4]
+                # skipped: oneDNN's copy where the row-block kernel cannot run here, and copies already moved
+                if copy.layout == torch.strided and not cpu_huge_pages.on_huge_pages(copy):
+                    if id(copy) not in owners:
+                        copies.append(copy)
+                    owners.setdefault(id(copy), []).append(module)
+    return copies, owners
+
+
+def _place_on_huge_pages(model: nn.Module) -> None:
+    """Moves the row-block copies of ``model``'s packed layers onto memory advised for huge pages."""
+    packed, owners = _row_block_copies(model)
+    if not packed:
+        return
+    reason = cpu_huge_pages.huge_pages_unavailable_reason()
+    if reason is not None:
+        logger.info("optimize_for_cpu: packed weights stay on ordinary pages: %s.", reason)
+        return
+
+    def replace(old: torch.Tensor, new: torch.Tensor) -> None:
+        for module in owners.pop(id(old)):
+            entry = module.__dict__[_PACKED_ATTRIBUTE]
+            object.__setattr__(module, _PACKED_ATTRIBUTE, (*entry[:4], new, *entry[5:]))
+
+    count = len(packed)
+    try:
+        nbytes = cpu_huge_pages.copy_to_huge_pages(packed, replace)
+    except OSError as error:
+        logger.info("optimize_for_cpu: packed weights stay on ordinary pages: %s.", error)
+        return
+    logger.info("optimize_for_cpu: moved %d packed weights (%.0f MB) onto memory advised for 2 MB pages.", count,
+                nbytes / 2**20)
 
 
 def _packed_bytes(module: PackedLinear) -> int:
