@@ -182,7 +182,8 @@ def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKE
 
     Measured once per shape, dtype and thread count in a process (about 0.2-4 s per shape), on
     random weights of the same shape and dtype, read from memory rather than from cache: a timing
-    batch cycles through copies of the weight (up to 64 MB) as a decode step streams the model.
+    batch cycles through copies of the weight (up to 64 MB) as a decode step streams the model, the
+    row-block kernel's on huge pages where this machine offers them (as :func:`optimize_for_cpu` places them).
     Each candidate (oneDNN's packed kernel; the row-block kernel where it runs here) gets its
     crossover against ``F.linear``; the one whose layer costs least summed over the probed row
     counts (1 to 16, each candidate below its crossover costing what ``F.linear`` costs) is chosen.
@@ -216,6 +217,8 @@ def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKE
     with torch.no_grad():
         for kernel in candidates:
             packed = [_pack_for(kernel, w) for w in weights]
+            if kernel == ROW_BLOCK:
+                packed = _on_huge_pages_if_offered(packed)  # where optimize_for_cpu puts them by default
             packed_seconds: dict[int, float] = {}
 
             def packed_wins_at(rows: int) -> bool:
@@ -244,6 +247,18 @@ def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKE
     _measured_choices[key] = (kernel, min_rows)
     kernel_choices.store_choice(key, (kernel, min_rows))
     return kernel, min_rows
+
+
+def _on_huge_pages_if_offered(packed: list[tuple]) -> list[tuple]:
+    """The probe's ``(copy, run)`` pairs with the copies moved onto huge pages where this machine offers them."""
+    if cpu_huge_pages.huge_pages_unavailable_reason() is not None or any(p.layout != torch.strided for p, _ in packed):
+        return packed
+    moved = {}
+    try:
+        cpu_huge_pages.copy_to_huge_pages([p for p, _ in packed], lambda old, new: moved.__setitem__(id(old), new))
+    except OSError:
+        return packed
+    return [(moved[id(p)], run) for p, run in packed]
 
 
 class PackedLinear(nn.Linear):
