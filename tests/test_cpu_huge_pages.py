@@ -139,3 +139,21 @@ def test_onednn_copies_are_left_alone():
     assert layers and not any(huge_pages.on_huge_pages(m._packed_weight()) for m in layers)
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
+
+
+@needs_huge_pages
+@needs_kernel
+def test_a_layer_packed_like_a_huge_page_layer_goes_there_too():
+    from dspark_hf.kernels.cpu_fast_path import packed_like
+
+    for huge in (True, False):
+        source = optimize_for_cpu(random_target(seed=6), packed_kernel="row_block", packed_min_rows=1,
+                                  huge_pages=huge).lm_head
+        rows = torch.nn.Linear(source.in_features, 7, bias=False)
+        with torch.no_grad():
+            rows.weight.copy_(source.weight[:7])
+        packed = packed_like(source, rows)
+        assert isinstance(packed, PackedLinear) and huge_pages.on_huge_pages(packed._packed_weight()) == huge
+        x = torch.randn(2, source.in_features)
+        with torch.no_grad():
+            assert torch.equal(packed(x), source(x)[:, :7])

@@ -348,10 +348,13 @@ def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
     """``module`` packed the way ``source`` is: when ``source`` is a :class:`PackedLinear` (the model
     went through :func:`optimize_for_cpu`) and ``module`` is a plain CPU ``nn.Linear`` of a dtype packed here, it is
     packed in place with ``source``'s kernel and crossover (no timing probe: this can run inside a generation, and
-    it keeps a ``packed_min_rows`` the user chose); otherwise it is returned as it is."""
+    it keeps a ``packed_min_rows`` the user chose), on huge pages where ``source``'s copy is; otherwise it is
+    returned as it is."""
     # The source's dtype passed its probe when it was packed: no second probe inside a generation.
     if isinstance(source, PackedLinear) and _skip_reason(module) is None and module.weight.dtype == source.weight.dtype:
         pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1), source.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN))
+        if cpu_huge_pages.on_huge_pages(source._packed_weight()):
+            _place_on_huge_pages(module)
     return module
 
 
