@@ -12,7 +12,9 @@
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
 other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and
-stock/prepared are printed. The prepared model's T(B)/T(1) is also given paired: the ratio of the two
+stock/prepared are printed, with the float32 multiply-add rate of the moment before and after the rounds
+(:func:`~dspark_hf.benchmarks.environment.multiply_add_rate`; on a shared VM the host's load moves it,
+and the compute-bound part of a several-token step with it). The prepared model's T(B)/T(1) is also given paired: the ratio of the two
 steps within each round (timed a few milliseconds apart, so slow spells of the machine cancel), its
 median over rounds and the quartiles, which move less between runs than the ratio of medians.
 
@@ -43,7 +45,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_hf import optimize_for_cpu
-from dspark_hf.benchmarks.environment import capture_environment
+from dspark_hf.benchmarks.environment import capture_environment, multiply_add_rate
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
 from dspark_hf.kernels import cpu_attention, cpu_decoder, cpu_extension
@@ -179,6 +181,7 @@ def main(argv=None) -> dict:
         compile_seconds = time.perf_counter() - start
     samples = {name: {b: [] for b in args.sizes} for name in steppers}
     names = list(steppers)
+    rates = [multiply_add_rate()]
     for round_index in range(args.repeats + 1):  # round 0 warms up
         for b in args.sizes:
             # Every other round in reverse, so no model is always timed right after the same other one.
@@ -186,12 +189,15 @@ def main(argv=None) -> dict:
                 elapsed = steppers[name](b)
                 if round_index:
                     samples[name][b].append(elapsed)
+    rates.append(multiply_add_rate())
     medians = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in samples.items()}
     paired = _paired_ratios(samples["prepared"], args.sizes)
     env = capture_environment()
     print(f"{env.get('cpu_model')}, {args.dtype}, context {args.context} tokens, {torch.get_num_threads()} threads, "
           f"{args.repeats} interleaved rounds; packing took {pack_seconds:.2f} s"
           + (f"; compiling ({args.compile}) and its first steps took {compile_seconds:.1f} s" if compile_seconds else ""))
+    print(f"float32 multiply-add rate (cache-resident matmul) before / after the rounds: {rates[0]:.0f} / "
+          f"{rates[1]:.0f} GFLOP/s (it moves with the host's load, and T(B)/T(1) with it)")
     print("B    stock ms  prepared ms  stock T(B)/T(1)  prepared T(B)/T(1)  stock/prepared")
     for b in args.sizes:
         s, p = medians["stock"][b], medians["prepared"][b]
@@ -210,7 +216,7 @@ def main(argv=None) -> dict:
                       f"{medians['stock'][b] / c:{len(name) + 6}.2f}  {c / medians['prepared'][b]:{len(name) + 9}.2f}")
     result = {"environment": env, "dtype": args.dtype, "context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
               "compile": args.compile, "compile_seconds": compile_seconds, "median_seconds": medians,
-              "prepared_paired_ratios": paired}
+              "prepared_paired_ratios": paired, "multiply_add_gflops_before_after": rates}
     write_json_result(result, args.out)
     return result
 

@@ -29,6 +29,7 @@ def test_the_kernel_setting_decides(setting, usable, tmp_path, monkeypatch):
     monkeypatch.setattr(huge_pages, "_THP_SETTING", path)
     reason = huge_pages.huge_pages_unavailable_reason()
     assert (reason is None) == usable
+    assert huge_pages.transparent_huge_pages_mode() == setting.split("[")[1].split("]")[0]
     if not usable:
         assert "off" in reason and "[never]" in reason
 
@@ -37,6 +38,7 @@ def test_a_missing_setting_or_another_system_is_a_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(huge_pages, "_THP_SETTING", tmp_path / "absent")
     monkeypatch.setattr(huge_pages.sys, "platform", "linux")
     assert "cannot be read" in huge_pages.huge_pages_unavailable_reason()
+    assert huge_pages.transparent_huge_pages_mode() is None
     monkeypatch.setattr(huge_pages.sys, "platform", "darwin")
     assert "Linux" in huge_pages.huge_pages_unavailable_reason()
 

@@ -14,7 +14,18 @@ def test_isa_flags_are_read_from_cpuinfo_in_a_fixed_order(tmp_path):
 def test_environment_records_cpu_flags_and_describes_them():
     env = capture_environment()
     assert "cpu_isa_flags" in env and "torch_cpu_capability" in env
+    assert env["transparent_huge_pages"] in (None, "always", "madvise", "never")
     if env["cpu_isa_flags"] is not None:
         assert set(env["cpu_isa_flags"]) <= set(ISA_FLAGS)
     env = {**env, "cpu_model": "Test CPU", "cpu_isa_flags": ["avx2", "amx_bf16"]}
     assert "Test CPU [avx2 amx_bf16]" in describe_environment(env)
+
+
+def test_the_multiply_add_rate_is_a_plausible_throughput(monkeypatch):
+    from dspark_hf.benchmarks import environment
+
+    rate = environment.multiply_add_rate(size=64, calls=5)
+    assert 0.01 < rate < 1e5  # GFLOP/s: a CPU of this era, neither a unit slip nor a zero time
+    clock = iter([0.0, 0.5] * 3)
+    monkeypatch.setattr(environment.time, "perf_counter", lambda: next(clock))
+    assert environment.multiply_add_rate(size=10, calls=5) == 2 * 10**3 * 5 / 0.5 / 1e9  # flops over the best batch

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..kernels.cpu_huge_pages import transparent_huge_pages_mode
 from ..kernels.cpu_identity import ISA_FLAGS, cpu_isa_flags, cpu_model
 
 
@@ -26,7 +27,9 @@ def capture_environment() -> dict:
     """Date, machine, CPU, threads, GPU and library versions of this process, as a JSON-ready dict.
 
     Keys: ``date`` (local, ``YYYY-MM-DD HH:MM``), ``machine``, ``processor``, ``cpu_model``,
-    ``cpu_isa_flags`` (the :data:`ISA_FLAGS` the CPU has), ``torch_cpu_capability``, ``cpu_count``, ``torch_threads``, ``python``, ``torch``, ``torch_cuda`` (the CUDA version torch
+    ``cpu_isa_flags`` (the :data:`ISA_FLAGS` the CPU has), ``torch_cpu_capability``, ``transparent_huge_pages``
+    (Linux's mode, which decides whether packed weights sit on 2 MB pages), ``cpu_count``, ``torch_threads``,
+    ``python``, ``torch``, ``torch_cuda`` (the CUDA version torch
     was built with, or ``None``), ``transformers`` and ``gpu`` (the first GPU's name, or ``None``).
     """
     import transformers
@@ -38,6 +41,7 @@ def capture_environment() -> dict:
         "cpu_model": cpu_model(),
         "cpu_isa_flags": cpu_isa_flags(),
         "torch_cpu_capability": _torch_cpu_capability(),
+        "transparent_huge_pages": transparent_huge_pages_mode(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -46,6 +50,27 @@ def capture_environment() -> dict:
         "transformers": transformers.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def multiply_add_rate(size: int = 256, calls: int = 20) -> float:
+    """The float32 multiply-add throughput the torch threads get at this moment, in GFLOP/s: the best of
+    three batches of ``calls`` products of cache-resident ``size`` x ``size`` matrices.
+
+    On a shared VM it moves with the host's load (on a 2-core Zen 4 VM a plain multiply-add loop ran at
+    4.0 and at 7.3 G 256-bit FMAs per core and second in one session). Verify forwards of several tokens
+    are partly bound by it while one-token steps stream weights from memory, so T(8)/T(1) moves with it;
+    benchmarks print it beside such ratios."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator) for _ in range(2))
+    out = torch.empty(size, size)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 * calls / best / 1e9
 
 
 def describe_environment(env: dict) -> str:
@@ -57,4 +82,4 @@ def describe_environment(env: dict) -> str:
             f"torch {env['torch']}, transformers {env['transformers']}.")
 
 
-__all__ = ["ISA_FLAGS", "capture_environment", "describe_environment"]
+__all__ = ["ISA_FLAGS", "capture_environment", "describe_environment", "multiply_add_rate"]

@@ -34,6 +34,16 @@ _ALIGNMENT = 64  # each tensor in the buffer starts on a cache line
 _MARK = "_dspark_on_huge_pages"
 
 
+def transparent_huge_pages_mode() -> str | None:
+    """Linux's transparent huge page mode (``"always"``, ``"madvise"`` or ``"never"``), or None where it is not known."""
+    try:
+        setting = _THP_SETTING.read_text()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in setting.split() if word.startswith("[") and word.endswith("]")]
+    return chosen[0] if chosen else None
+
+
 def huge_pages_unavailable_reason() -> str | None:
     """Why packed weights cannot be put on transparent huge pages here, or None when they can."""
     if not sys.platform.startswith("linux"):
@@ -42,7 +52,7 @@ def huge_pages_unavailable_reason() -> str | None:
         setting = _THP_SETTING.read_text()
     except OSError as error:
         return f"{_THP_SETTING} cannot be read ({error.strerror or error})"
-    if "[always]" not in setting and "[madvise]" not in setting:
+    if transparent_huge_pages_mode() not in ("always", "madvise"):
         return f"transparent huge pages are off ({_THP_SETTING}: {setting.strip()})"
     if _madvise() is None:
         return "the C library's madvise cannot be found"
@@ -102,4 +112,4 @@ def on_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 __all__ = ["HUGE_PAGE_BYTES", "copy_to_huge_pages", "huge_page_buffer", "huge_pages_unavailable_reason",
-           "on_huge_pages"]
+           "on_huge_pages", "transparent_huge_pages_mode"]
