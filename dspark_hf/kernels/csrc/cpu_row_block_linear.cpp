@@ -88,10 +88,11 @@ template <> DSPARK_INLINE DSPARK_AVX2 void load16<Half>(const Half* p, __m256& l
   high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
 
-// Prefetch the weights kPrefetchBytes ahead, once per 64-byte line (a step holds step_bytes of them).
-template <int64_t StepBytes> DSPARK_INLINE void prefetch_ahead(const void* step_start, int64_t step) {
+// Prefetch the weights kPrefetchBytes ahead, once per 64-byte line (a step holds StepBytes of them), into L1
+// (T0) or, for the AVX-512 per-k path, into L2 (T1; see span_avx512).
+template <int64_t StepBytes, int Hint = _MM_HINT_T0> DSPARK_INLINE void prefetch_ahead(const void* step_start, int64_t step) {
   if (StepBytes >= 64 || (step & (64 / StepBytes - 1)) == 0)
-    _mm_prefetch(static_cast<const char*>(step_start) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(step_start) + kPrefetchBytes, static_cast<_mm_hint>(Hint));
 }
 
 // The span kernels: R rows x B column blocks over steps [s_begin, s_end) (a step is one k, or one pair of
@@ -159,7 +160,12 @@ DSPARK_INLINE DSPARK_AVX512 void write_acc512(const __m512 (&sums)[R][B], float*
     for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * kBlock, sums[r][b]);
 }
 
-// AVX-512, per-k layout (float32, float16).
+// AVX-512, per-k layout (float32, float16). Its prefetches go to L2: whole SmolLM2 fp32 forwards of 8 and 16 tokens
+// ran 0.88 and 0.93 of their time with L1 prefetches in one pair of interleaved runs of benchmarks/row_block_rows.py
+// --whole-step (geometric mean over both orders) on a 2-core Zen 4 in a spell when 8 tokens cost 1.5x one, and 1.00
+// and 0.98 in a pair when they cost 1.2x; one row, which does not prefetch, 1.00 (float16 weights, which share this
+// path, were not measured). The bfloat16 pair paths keep L1 prefetches: there L2
+// ones were 7% faster for one row and 12% slower for eight. The AVX2 paths (Zen 3) were not measured with L2 ones.
 template <typename W, int R, int B, bool Prefetch>
 DSPARK_AVX512 void span_avx512(const float* x, int64_t ldx, const W* block, int64_t stride, int64_t k_begin,
                                int64_t k_end, float* acc) {
@@ -169,7 +175,7 @@ DSPARK_AVX512 void span_avx512(const float* x, int64_t ldx, const W* block, int6
     __m512 w[B];
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) {
-      if constexpr (Prefetch) prefetch_ahead<kBlock * sizeof(W)>(block + b * stride + k * kBlock, k);
+      if constexpr (Prefetch) prefetch_ahead<kBlock * sizeof(W), _MM_HINT_T1>(block + b * stride + k * kBlock, k);
       w[b] = load16_512<W>(block + b * stride + k * kBlock);
     }
 #pragma GCC unroll 16
