@@ -120,9 +120,11 @@ def test_without_huge_pages_the_weights_stay_and_the_reason_is_logged(monkeypatc
 
 
 @needs_kernel
-def test_a_failing_madvise_keeps_the_weights_where_they_are(monkeypatch, caplog):
+@pytest.mark.parametrize("error", [OSError(22, "madvise(MADV_HUGEPAGE) failed on a 2 MB buffer"),
+                                   RuntimeError("madvise(MADV_HUGEPAGE) failed: DefaultCPUAllocator: not enough memory")])
+def test_a_failing_madvise_keeps_the_weights_where_they_are(error, monkeypatch, caplog):
     def fail(nbytes):
-        raise OSError(22, "madvise(MADV_HUGEPAGE) failed on a 2 MB buffer")
+        raise error
 
     monkeypatch.setattr(huge_pages, "huge_pages_unavailable_reason", lambda: None)
     monkeypatch.setattr(huge_pages, "huge_page_buffer", fail)

@@ -256,7 +256,7 @@ def _on_huge_pages_if_offered(packed: list[tuple]) -> list[tuple]:
     moved = {}
     try:
         cpu_huge_pages.copy_to_huge_pages([p for p, _ in packed], lambda old, new: moved.__setitem__(id(old), new))
-    except OSError:
+    except (OSError, RuntimeError):  # madvise refused, or no memory for the buffer: time them where they are
         return packed
     return [(moved[id(p)], run) for p, run in packed]
 
@@ -551,7 +551,8 @@ def _place_on_huge_pages(model: nn.Module) -> None:
     count = len(packed)
     try:
         nbytes = cpu_huge_pages.copy_to_huge_pages(packed, replace)
-    except OSError as error:
+    except (OSError, RuntimeError) as error:  # madvise refused, or no memory for the buffer (torch's allocator)
+        # Layers moved before the error read their new copies, the rest their old ones: the same bytes either way.
         logger.info("optimize_for_cpu: packed weights stay on ordinary pages: %s.", error)
         return
     logger.info("optimize_for_cpu: moved %d packed weights (%.0f MB) onto memory advised for 2 MB pages.", count,
