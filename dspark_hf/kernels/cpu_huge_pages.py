@@ -48,12 +48,11 @@ def huge_pages_unavailable_reason() -> str | None:
     """Why packed weights cannot be put on transparent huge pages here, or None when they can."""
     if not sys.platform.startswith("linux"):
         return f"transparent huge pages are a Linux feature (this is {sys.platform})"
-    try:
-        setting = _THP_SETTING.read_text()
-    except OSError as error:
-        return f"{_THP_SETTING} cannot be read ({error.strerror or error})"
-    if transparent_huge_pages_mode() not in ("always", "madvise"):
-        return f"transparent huge pages are off ({_THP_SETTING}: {setting.strip()})"
+    mode = transparent_huge_pages_mode()
+    if mode is None:
+        return f"{_THP_SETTING} cannot be read or names no mode"
+    if mode not in ("always", "madvise"):
+        return f"transparent huge pages are off ({_THP_SETTING}: [{mode}])"
     if _madvise() is None:
         return "the C library's madvise cannot be found"
     return None
