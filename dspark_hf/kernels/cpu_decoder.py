@@ -47,6 +47,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from . import cpu_extension
+from .cpu_kv_cache import append_to_cache
 
 logger = logging.get_logger(__name__)
 
@@ -118,6 +119,9 @@ class _LeanPlan:
         # > 0: the norms run in one compiled call (csrc/cpu_rms_norm.cpp) that sums in vectors of this many
         # floats, the width this torch build's sum uses (found by rms_norm_kernel_lanes); 0: they do not.
         self.norm_kernel_lanes = 0
+        # Each step's keys and values written into spare room of the layer's cache rather than concatenated
+        # (cpu_kv_cache.py: the same numbers, other strides; checked by the probe like the shortcuts).
+        self.append_in_place = True
 
     def hooks_allow_lean(self) -> bool:
         # transformers installs output-capturing hooks on decoder layers and attentions (for
@@ -206,7 +210,9 @@ def _attention(plan: _LeanPlan, layer: nn.Module, hidden_states: torch.Tensor, r
     query, key = query.transpose(1, 2), key.transpose(1, 2)
     value = projections["v_proj"].forward(hidden_states).view(hidden_shape).transpose(1, 2)
     query, key = _rotate(plan, query, key, *rotary)
-    if cache is not None:
+    if cache is not None and plan.append_in_place:
+        key, value = append_to_cache(cache, key, value, attention.layer_idx)
+    elif cache is not None:
         key, value = cache.update(key, value, attention.layer_idx)
     extra = {"sliding_window": attention.sliding_window} if hasattr(attention, "sliding_window") else {}
     output, _ = attention_function(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling, **extra)
@@ -306,11 +312,11 @@ def use_lean_decoder(model: nn.Module) -> bool:
         base.__dict__[_INSTALLED_ATTRIBUTE] = plan
         base.forward = _LeanForward(base)
         reason = _probe_difference(base)
-        if reason is not None and (plan.fused_norm or plan.roll_rotary):
-            # One of the shortcuts differs here: the model's own norm and rotary functions must agree.
-            logger.info("optimize_for_cpu: the lean forward's norm and rotation shortcuts (fused or compiled) differ "
-                        "here (%s); it calls the model's own instead.", reason)
-            plan.fused_norm = plan.roll_rotary = plan.rotary_kernel = False
+        if reason is not None and (plan.fused_norm or plan.roll_rotary or plan.append_in_place):
+            # One of the shortcuts differs here: the model's own norm, rotary and cache functions must agree.
+            logger.info("optimize_for_cpu: the lean forward's shortcuts (fused or compiled norm and rotation, keys and "
+                        "values written in place) differ here (%s); it calls the model's own instead.", reason)
+            plan.fused_norm = plan.roll_rotary = plan.rotary_kernel = plan.append_in_place = False
             plan.norm_kernel_lanes = 0
             reason = _probe_difference(base)
         if reason is not None:
