@@ -9,10 +9,21 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import dspark_hf.kernels.cpu_decoder as cpu_decoder
-from dspark_hf.kernels import cpu_kv_cache
+from dspark_hf.kernels import cpu_extension, cpu_kv_cache
 from dspark_hf.kernels.cpu_decoder import use_lean_decoder
 from dspark_hf.kernels.cpu_kv_cache import append_to_cache
 from tiny_models import random_target
+
+
+@pytest.fixture(params=["compiled", "python"])
+def path(request, monkeypatch):
+    """Each test runs with the compiled append (csrc/cpu_kv_append.cpp) and with the Python one alone."""
+    if request.param == "compiled":
+        if cpu_extension.extension_problem() is not None:
+            pytest.skip(f"the CPU extension is not available here: {cpu_extension.extension_problem()}")
+    else:
+        monkeypatch.setattr(cpu_kv_cache.cpu_extension, "loaded_extension", lambda: None)
+    return request.param
 
 
 def _states(generator, tokens, batch=2, heads=3, dim=8, dtype=torch.float32):
@@ -25,7 +36,7 @@ def _two_caches():
     return DynamicCache(), DynamicCache()
 
 
-def test_appends_crops_and_growth_give_what_torch_cat_gives(monkeypatch):
+def test_appends_crops_and_growth_give_what_torch_cat_gives(monkeypatch, path):
     monkeypatch.setattr(cpu_kv_cache, "SPARE_TOKENS", 4)  # small room, so the buffer grows several times
     generator = torch.Generator().manual_seed(0)
     stock, in_place = _two_caches()
@@ -48,7 +59,7 @@ def test_appends_crops_and_growth_give_what_torch_cat_gives(monkeypatch):
     assert 1 < len(buffers_seen) < 9  # it grew, but not every step
 
 
-def test_steps_with_room_write_into_the_same_buffer():
+def test_steps_with_room_write_into_the_same_buffer(path):
     generator = torch.Generator().manual_seed(1)
     cache = DynamicCache()
     append_to_cache(cache, *_states(generator, 10), 0)
@@ -61,7 +72,7 @@ def test_steps_with_room_write_into_the_same_buffer():
     assert cache.get_seq_length() == 20
 
 
-def test_tensors_replaced_from_outside_start_a_fresh_buffer():
+def test_tensors_replaced_from_outside_start_a_fresh_buffer(path):
     """batch_select_indices (batched decoding drops finished rows) and reorder_cache assign new tensors."""
     generator = torch.Generator().manual_seed(2)
     stock, in_place = _two_caches()
@@ -78,7 +89,7 @@ def test_tensors_replaced_from_outside_start_a_fresh_buffer():
     assert torch.equal(old_buffer[1, :, :6], want[0][0, :, :6])  # the new buffer started from the selected row
 
 
-def test_other_layers_and_mismatched_states_take_the_stock_update(monkeypatch):
+def test_other_layers_and_mismatched_states_take_the_stock_update(monkeypatch, path):
     generator = torch.Generator().manual_seed(3)
     calls = []
     original = DynamicLayer.update
@@ -117,7 +128,7 @@ def test_a_sliding_window_layer_keeps_its_own_update():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_lean_decoder_writes_in_place_with_outputs_equal_bit_for_bit(dtype, monkeypatch):
+def test_the_lean_decoder_writes_in_place_with_outputs_equal_bit_for_bit(dtype, monkeypatch, path):
     monkeypatch.setattr(cpu_kv_cache, "SPARE_TOKENS", 3)
     stock = random_target("llama", num_layers=2).to(dtype)
     lean = copy.deepcopy(stock)
@@ -140,7 +151,7 @@ def test_the_lean_decoder_writes_in_place_with_outputs_equal_bit_for_bit(dtype, 
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_greedy_generation_with_a_growing_buffer_equals_the_stock_model(monkeypatch):
+def test_greedy_generation_with_a_growing_buffer_equals_the_stock_model(monkeypatch, path):
     monkeypatch.setattr(cpu_kv_cache, "SPARE_TOKENS", 5)
     stock = random_target("qwen3", num_layers=2)
     lean = copy.deepcopy(stock)
@@ -163,3 +174,29 @@ def test_a_probe_difference_turns_writing_in_place_off(monkeypatch):
         assert use_lean_decoder(model)
         plan = model.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
         assert not plan.append_in_place
+
+
+def test_the_compiled_append_refuses_what_it_cannot_write_in_place():
+    if cpu_extension.extension_problem() is not None:
+        pytest.skip(f"the CPU extension is not available here: {cpu_extension.extension_problem()}")
+    kernels = cpu_extension.loaded_extension()
+    generator = torch.Generator().manual_seed(7)
+    key_buffer, value_buffer = torch.zeros(2, 3, 6, 8), torch.zeros(2, 3, 6, 8)
+    keys, values = key_buffer.narrow(2, 0, 4), value_buffer.narrow(2, 0, 4)
+    key, value = _states(generator, 2)
+    filled = kernels.append_key_value(keys, values, key_buffer, value_buffer, key, value)
+    assert filled is not None and torch.equal(filled[0][:, :, 4:], key) and torch.equal(filled[1][:, :, 4:], value)
+    assert filled[0].data_ptr() == key_buffer.data_ptr() and filled[0].shape[2] == 6
+    refused = {
+        "no room": (keys, values, *_states(generator, 3)),
+        "a copy, not a view": (keys.clone(), values, key, value),
+        "rows selected": (key_buffer[1:].narrow(2, 0, 4), value_buffer[1:].narrow(2, 0, 4), *_states(generator, 1, batch=1)),
+        "another dtype": (keys, values, key.double(), value.double()),
+        "other heads": (keys, values, *_states(generator, 1, heads=2)),
+        "keys and values of different lengths": (keys, value_buffer.narrow(2, 0, 3), key, value),
+        "head dim not contiguous": (keys, values, key.transpose(2, 3).contiguous().transpose(2, 3), value),
+    }
+    for case, (stored_keys, stored_values, new_key, new_value) in refused.items():
+        before = key_buffer.clone()
+        assert kernels.append_key_value(stored_keys, stored_values, key_buffer, value_buffer, new_key, new_value) is None, case
+        assert torch.equal(key_buffer, before), case

@@ -26,7 +26,7 @@ logger = logging.get_logger(__name__)
 
 EXTENSION_NAME = "dspark_hf_cpu_kernels"
 SOURCE_NAMES = ("cpu_bindings.cpp", "cpu_row_block_linear.cpp", "cpu_few_query_attention.cpp", "cpu_rms_norm.cpp",
-                "cpu_rotary.cpp")
+                "cpu_rotary.cpp", "cpu_kv_append.cpp")
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE_FILES = ("cpu_kernels.h", "cpu_vec_avx2.h", *SOURCE_NAMES)  # all that the build reads
 

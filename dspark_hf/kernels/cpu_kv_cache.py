@@ -14,7 +14,9 @@ that assigns new tensors simply starts a fresh buffer at the next step). When th
 buffer a quarter larger (at least :data:`SPARE_TOKENS` more) takes its place, so the copying is
 amortised over many steps. The numbers stored are the same; only the strides of the key and value
 tensors handed to attention change, and the lean decoder's probe checks that outputs stay equal bit
-for bit before it uses this (:mod:`dspark_hf.kernels.cpu_decoder`).
+for bit before it uses this (:mod:`dspark_hf.kernels.cpu_decoder`). Where the compiled CPU extension is
+loaded, one call checks and writes both and returns the views (``csrc/cpu_kv_append.cpp``); from Python
+the checks and four ops cost about as much as the concatenation on a short context.
 
 It runs only inside the lean forward (no gradients) and only on plain ``DynamicLayer`` layers of a
 cache that is not offloaded; every other layer type goes through its own ``update``. Tokens cut off
@@ -27,6 +29,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from . import cpu_extension
 
 SPARE_TOKENS = 256
 """The least room a new buffer leaves after the tokens it holds."""
@@ -46,48 +50,62 @@ def append_to_cache(cache: DynamicCache, key_states: torch.Tensor, value_states:
     if getattr(cache, "offloading", False) or layer_idx >= len(layers) or type(layers[layer_idx]) is not DynamicLayer:
         return cache.update(key_states, value_states, layer_idx)
     layer = layers[layer_idx]
+    buffers = layer.__dict__.get(_BUFFERS_ATTRIBUTE)
+    kernels = cpu_extension.loaded_extension()
+    if buffers is not None and kernels is not None:
+        # The common step in one compiled call: its checks fail (None) where the layer no longer holds views of
+        # its buffers, the buffers are full, or the new tensors do not match them; the checked path then decides.
+        filled = kernels.append_key_value(layer.keys, layer.values, *buffers, key_states, value_states)
+        if filled is not None:
+            layer.keys, layer.values = filled
+            return filled
+    return _append_checked(layer, key_states, value_states)
+
+
+def _append_checked(layer: DynamicLayer, key_states: torch.Tensor,
+                    value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not layer.is_initialized:
         layer.lazy_initialization(key_states, value_states)
-    if not (_appendable(layer.keys, key_states) and _appendable(layer.values, value_states)):
+    keys, values = layer.keys, layer.values
+    if not (_appendable(keys, key_states) and _appendable(values, value_states)):
         return layer.update(key_states, value_states)  # what torch.cat makes of it (or its error)
-    key_buffer, value_buffer = layer.__dict__.get(_BUFFERS_ATTRIBUTE, (None, None))
-    layer.keys, key_buffer = _append(layer.keys, key_buffer, key_states)
-    layer.values, value_buffer = _append(layer.values, value_buffer, value_states)
-    layer.__dict__[_BUFFERS_ATTRIBUTE] = (key_buffer, value_buffer)
+    length = keys.shape[-2] if keys.dim() == 4 else 0
+    end = length + key_states.shape[-2]
+    buffers = layer.__dict__.get(_BUFFERS_ATTRIBUTE)
+    if buffers is None or not (_is_leading_view(keys, buffers[0], end) and _is_leading_view(values, buffers[1], end)):
+        buffers = (_fresh_buffer(keys, key_states, end), _fresh_buffer(values, value_states, end))
+        layer.__dict__[_BUFFERS_ATTRIBUTE] = buffers
+    for buffer, new in zip(buffers, (key_states, value_states)):
+        buffer.narrow(2, length, new.shape[-2]).copy_(new)
+    layer.keys, layer.values = (buffer.narrow(2, 0, end) for buffer in buffers)
     return layer.keys, layer.values
 
 
 def _appendable(stored: torch.Tensor, new: torch.Tensor) -> bool:
     """Whether torch.cat along dim -2 would join these without promotion: an empty cache, or the same
     batch, heads, head dim, dtype and device."""
-    if new.dim() != 4:
+    if new.dim() != 4 or stored.dtype != new.dtype or stored.device != new.device:
         return False
-    if stored.numel() == 0 and stored.dim() != 4:  # lazy_initialization's empty tensor
-        return stored.dtype == new.dtype and stored.device == new.device
-    return (stored.dim() == 4 and stored.shape[:2] == new.shape[:2] and stored.shape[3] == new.shape[3]
-            and stored.dtype == new.dtype and stored.device == new.device)
+    if stored.dim() != 4:
+        return stored.numel() == 0  # lazy_initialization's empty tensor
+    return stored.shape[0] == new.shape[0] and stored.shape[1] == new.shape[1] and stored.shape[3] == new.shape[3]
 
 
-def _append(stored: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filled view after writing ``new`` behind ``stored``, and the buffer holding it."""
-    length = stored.shape[-2] if stored.dim() == 4 else 0
-    end = length + new.shape[-2]
-    if not _is_leading_view(stored, buffer, end):
-        capacity = end + max(SPARE_TOKENS, end // 4)
-        fresh = new.new_empty((new.shape[0], new.shape[1], capacity, new.shape[3]))
-        if length:
-            fresh[:, :, :length].copy_(stored)
-        buffer = fresh
-    buffer[:, :, length:end].copy_(new)
-    return buffer[:, :, :end], buffer
-
-
-def _is_leading_view(stored: torch.Tensor, buffer: torch.Tensor | None, end: int) -> bool:
+def _is_leading_view(stored: torch.Tensor, buffer: torch.Tensor, end: int) -> bool:
     """Whether ``stored`` is ``buffer[:, :, :length]`` (what this module left there, possibly cropped since)
     and the buffer has room up to ``end``."""
-    return (buffer is not None and stored.dim() == 4 and end <= buffer.shape[2]
-            and stored.data_ptr() == buffer.data_ptr() and stored.stride() == buffer.stride()
-            and stored.shape[:2] == buffer.shape[:2] and stored.shape[3] == buffer.shape[3])
+    return (stored.dim() == 4 and end <= buffer.shape[2] and stored.data_ptr() == buffer.data_ptr()
+            and stored.stride() == buffer.stride() and stored.shape[0] == buffer.shape[0]
+            and stored.shape[1] == buffer.shape[1] and stored.shape[3] == buffer.shape[3])
+
+
+def _fresh_buffer(stored: torch.Tensor, new: torch.Tensor, end: int) -> torch.Tensor:
+    """A buffer with room for ``end`` tokens and more, holding ``stored``'s."""
+    capacity = end + max(SPARE_TOKENS, end // 4)
+    buffer = new.new_empty((new.shape[0], new.shape[1], capacity, new.shape[3]))
+    if stored.dim() == 4 and stored.shape[2]:
+        buffer.narrow(2, 0, stored.shape[2]).copy_(stored)
+    return buffer
 
 
 __all__ = ["SPARE_TOKENS", "append_to_cache"]

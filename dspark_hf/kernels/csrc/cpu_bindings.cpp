@@ -13,4 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "transformers' RMSNorm with PyTorch's roundings and summation order (lanes: its vector width)");
   m.def("rotary_embedding", &dspark_cpu::rotary_embedding,
         "query and key rotated: x * cos + roll(x, D/2) * signed_sin, rounded as PyTorch's separate ops (AVX2)");
+  m.def("append_key_value", &dspark_cpu::append_key_value,
+        "a step's keys and values written behind the cached views of two buffers; the longer views, or None where "
+        "the views are not the buffers' leading part or the rows do not fit");
 }

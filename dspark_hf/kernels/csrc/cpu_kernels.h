@@ -26,4 +26,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(const torch::Tensor& query, const torch::Tensor& key,
                                                           const torch::Tensor& cos, const torch::Tensor& signed_sin);
 
+// cpu_kv_append.cpp
+c10::optional<std::tuple<torch::Tensor, torch::Tensor>> append_key_value(
+    const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& key_buffer,
+    const torch::Tensor& value_buffer, const torch::Tensor& key, const torch::Tensor& value);
+
 }  // namespace dspark_cpu
