@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_hf.benchmarks.environment import capture_environment, describe_environment
-from dspark_hf.kernels.cpu_fast_path import _best_seconds, _pack, _run_packed
+from dspark_hf.kernels.cpu_packed_kernels import _best_seconds, _pack, _run_packed
 
 # (out_features, in_features): attention q/o, k/v, MLP gate/up, MLP down, LM head.
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import dspark_hf.kernels.cpu_fast_path as fast_path
+import dspark_hf.kernels.cpu_packed_kernels as packed_kernels
 from dspark_hf import FixedLengthPolicy, optimize_for_cpu
 from dspark_hf.kernels.cpu_fast_path import PackedLinear, is_optimized_for_cpu
 from tiny_models import markov_draft, random_target, reload_half_on_disk, target_next_token_table
@@ -27,7 +28,7 @@ def _prompts(n, seed=0, vocab=48):
 @pytest.fixture
 def fresh_choices(monkeypatch, tmp_path):
     """No kernel choice remembered, in this process or on disk."""
-    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    monkeypatch.setattr(packed_kernels, "_measured_choices", {})
     monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "cache"))
 
 
@@ -160,7 +161,7 @@ def test_missing_ops_fall_back_with_a_logged_reason(monkeypatch, caplog):
     def broken(x, packed, bias):
         return torch.zeros(*x.shape[:-1], 24)
 
-    monkeypatch.setattr(fast_path, "_packed_linear", broken)
+    monkeypatch.setattr(packed_kernels, "_packed_linear", broken)
     reason = fast_path.fast_path_unavailable_reason()
     assert reason is not None and "different from F.linear" in reason
     model = random_target("llama")
@@ -196,11 +197,9 @@ def test_rejects_non_modules():
 
 
 def test_rows_below_the_crossover_keep_the_stock_kernel(monkeypatch):
-    import dspark_hf.kernels.cpu_fast_path as fast_path
-
     calls = []
-    real = fast_path._packed_linear
-    monkeypatch.setattr(fast_path, "_packed_linear", lambda *args: calls.append(args[0].shape) or real(*args))
+    real = packed_kernels._packed_linear
+    monkeypatch.setattr(packed_kernels, "_packed_linear", lambda *args: calls.append(args[0].shape) or real(*args))
     layer = optimize_for_cpu(torch.nn.Sequential(torch.nn.Linear(16, 8)), packed_min_rows=4, packed_kernel="onednn")[0]
     calls.clear()  # the feature probe's call
     with torch.no_grad():
@@ -212,7 +211,7 @@ def test_rows_below_the_crossover_keep_the_stock_kernel(monkeypatch):
 
 
 def test_measured_kernel_and_crossover_are_cached_per_shape_and_bounded():
-    from dspark_hf.kernels.cpu_fast_path import _measured_choices, measure_packed_kernel
+    from dspark_hf.kernels.cpu_packed_kernels import _measured_choices, measure_packed_kernel
 
     weight = torch.randn(40, 24)
     kernel, rows = measure_packed_kernel(weight)
@@ -229,15 +228,15 @@ def test_kernel_choices_are_kept_on_disk_per_environment(monkeypatch, fresh_choi
     from dspark_hf.kernels import kernel_choices
 
     timed = []
-    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: timed.append(calls) or 1.0)
-    assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)  # never faster
+    monkeypatch.setattr(packed_kernels, "_best_seconds", lambda calls: timed.append(calls) or 1.0)
+    assert packed_kernels.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)  # never faster
     assert timed and kernel_choices.choices_path().is_file()
     timed.clear()
-    monkeypatch.setattr(fast_path, "_measured_choices", {})  # a new process on the same machine
-    assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)
+    monkeypatch.setattr(packed_kernels, "_measured_choices", {})  # a new process on the same machine
+    assert packed_kernels.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)
     assert not timed
     # another shape, dtype or candidate set is timed
-    fast_path.measure_packed_kernel(torch.randn(40, 24).to(torch.bfloat16), ("onednn",))
+    packed_kernels.measure_packed_kernel(torch.randn(40, 24).to(torch.bfloat16), ("onednn",))
     assert timed
 
     # another CPU (or torch, or kernel code) reads another file
@@ -245,17 +244,17 @@ def test_kernel_choices_are_kept_on_disk_per_environment(monkeypatch, fresh_choi
     environment = kernel_choices._environment()
     monkeypatch.setattr(kernel_choices, "_environment", lambda: {**environment, "cpu_model": "Another CPU"})
     assert kernel_choices.choices_path() != first_file
-    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    monkeypatch.setattr(packed_kernels, "_measured_choices", {})
     timed.clear()
-    fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",))
+    packed_kernels.measure_packed_kernel(torch.randn(40, 24), ("onednn",))
     assert timed
 
     # a damaged file is reported and replaced by the new measurement; an entry naming another kernel is ignored
     kernel_choices.choices_path().write_text("{not json")
-    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    monkeypatch.setattr(packed_kernels, "_measured_choices", {})
     timed.clear()
     with caplog.at_level(logging.WARNING, logger="dspark_hf.kernels.kernel_choices"):
-        assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)
+        assert packed_kernels.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 17)
     assert timed and "Ignoring the kernel-choice cache" in caplog.text
     key = (40, 24, torch.get_num_threads(), torch.float32, ("onednn",))
     assert kernel_choices.load_choice(key) == ("onednn", 17)
@@ -267,10 +266,10 @@ def test_an_unwritable_kernel_choice_cache_warns_once(monkeypatch, tmp_path, fre
     blocker = tmp_path / "not a folder"
     blocker.write_text("")
     monkeypatch.setenv("DSPARK_HF_CACHE", str(blocker))  # kernel_choices/ cannot be made under a file
-    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: 1.0)
+    monkeypatch.setattr(packed_kernels, "_best_seconds", lambda calls: 1.0)
     with caplog.at_level(logging.WARNING, logger="dspark_hf.kernels.kernel_choices"):
-        fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",))
-        fast_path.measure_packed_kernel(torch.randn(48, 24), ("onednn",))
+        packed_kernels.measure_packed_kernel(torch.randn(40, 24), ("onednn",))
+        packed_kernels.measure_packed_kernel(torch.randn(48, 24), ("onednn",))
     assert caplog.text.count("Could not write the kernel-choice cache") == 1
 
 
@@ -281,7 +280,8 @@ def test_bad_packed_min_rows_is_refused():
 
 def test_half_precision_without_onednn_kernels_runs_through_float32_copies(monkeypatch, tmp_path, caplog):
     # Any CPU: pretend oneDNN has no bf16 kernels (AVX2-only CPUs), as kernel_dtype reports there.
-    monkeypatch.setattr(fast_path, "kernel_dtype", lambda dtype: torch.float32)
+    for module in (fast_path, packed_kernels):  # it packs (cpu_packed_kernels) and sizes the copies (cpu_fast_path)
+        monkeypatch.setattr(module, "kernel_dtype", lambda dtype: torch.float32)
     stock = random_target("llama", num_layers=2).to(torch.bfloat16)
     model = copy.deepcopy(stock)
     with caplog.at_level(logging.INFO, logger="dspark_hf.kernels.cpu_fast_path"):
@@ -324,14 +324,14 @@ def test_crossover_probe_stops_at_the_first_losing_size_from_the_top(monkeypatch
     def fake_best_seconds(calls):
         call = calls[0]
         rows = call.args[0].shape[1]
-        packed = call.func is fast_path._run_packed
+        packed = call.func is packed_kernels._run_packed
         if packed:
             measured.append(rows)
         # packed wins at 6+ rows and, out of order, at 2 rows; 3 and 4 lose
         return (0.5 if rows >= 6 or rows == 2 else 1.0) if packed else 1.0
 
-    monkeypatch.setattr(fast_path, "_best_seconds", fake_best_seconds)
-    assert fast_path.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 6)
+    monkeypatch.setattr(packed_kernels, "_best_seconds", fake_best_seconds)
+    assert packed_kernels.measure_packed_kernel(torch.randn(40, 24), ("onednn",)) == ("onednn", 6)
     assert measured == [16, 12, 8, 6, 4, 4]  # the loss at 4 is measured twice; 3, 2 and 1 are never timed
 
 
@@ -341,26 +341,26 @@ def test_the_kernel_that_costs_least_over_the_probed_sizes_is_chosen(monkeypatch
         func = calls[0].func
         if func is torch.nn.functional.linear:
             return 1.0
-        if func is fast_path._run_packed:  # oneDNN: twice as fast from 6 rows, slower below
+        if func is packed_kernels._run_packed:  # oneDNN: twice as fast from 6 rows, slower below
             return 0.5 if calls[0].args[0].shape[1] >= 6 else 1.5
         return 0.6  # the row-block kernel: 0.6 at every size
 
-    monkeypatch.setattr(fast_path, "_best_seconds", fake_best_seconds)
+    monkeypatch.setattr(packed_kernels, "_best_seconds", fake_best_seconds)
     # oneDNN: 4 x 0.5 + 4 x 1.0 (F.linear below its crossover) = 6.0; row-block: 8 x 0.6 = 4.8
-    assert fast_path.measure_packed_kernel(torch.randn(40, 24)) == ("row_block", 1)
-    monkeypatch.setattr(fast_path, "_measured_choices", {})
+    assert packed_kernels.measure_packed_kernel(torch.randn(40, 24)) == ("row_block", 1)
+    monkeypatch.setattr(packed_kernels, "_measured_choices", {})
     monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "another cache"))
     # at 0.8 every size the row-block kernel costs 6.4: oneDNN, from its crossover of 6 rows
-    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: 0.8 if calls[0].func not in
-                        (torch.nn.functional.linear, fast_path._run_packed) else fake_best_seconds(calls))
-    assert fast_path.measure_packed_kernel(torch.randn(40, 24)) == ("onednn", 6)
+    monkeypatch.setattr(packed_kernels, "_best_seconds", lambda calls: 0.8 if calls[0].func not in
+                        (torch.nn.functional.linear, packed_kernels._run_packed) else fake_best_seconds(calls))
+    assert packed_kernels.measure_packed_kernel(torch.randn(40, 24)) == ("onednn", 6)
 
 
 def test_crossover_probe_reads_distinct_weight_copies(monkeypatch, fresh_choices):
     seen = []
-    monkeypatch.setattr(fast_path, "_best_seconds", lambda calls: seen.append(calls) or 1.0)
-    monkeypatch.setattr(fast_path, "_PROBE_BYTES", 40 * 24 * 4 * 8)  # room for 8 copies of a 40x24 fp32 weight
-    fast_path.measure_packed_kernel(torch.randn(40, 24))
+    monkeypatch.setattr(packed_kernels, "_best_seconds", lambda calls: seen.append(calls) or 1.0)
+    monkeypatch.setattr(packed_kernels, "_PROBE_BYTES", 40 * 24 * 4 * 8)  # room for 8 copies of a 40x24 fp32 weight
+    packed_kernels.measure_packed_kernel(torch.randn(40, 24))
     for calls in seen:  # stock and every kernel (oneDNN's packed copies are opaque: told apart by identity)
         weights = [call.args[1] for call in calls]
         assert len(weights) == 8 and len({id(w) if w.is_mkldnn else w.data_ptr() for w in weights}) == 8

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import dspark_hf.kernels.cpu_extension as cpu_extension
 import dspark_hf.kernels.cpu_fast_path as fast_path
+import dspark_hf.kernels.cpu_packed_kernels as packed_kernels
 import dspark_hf.kernels.cpu_row_block as row_block
 from dspark_hf import optimize_for_cpu
 from dspark_hf.kernels.cpu_fast_path import PackedLinear
@@ -162,7 +163,7 @@ def test_without_the_kernel_oneDNN_is_used_and_asking_for_it_says_why(unavailabl
     assert kernels == {"onednn"}
     with pytest.raises(ValueError, match=r"row_block.*no C\+\+ compiler \(test\).*'onednn'"):
         optimize_for_cpu(random_target("llama", num_layers=1), packed_kernel="row_block")
-    assert fast_path.measure_packed_kernel(torch.randn(24, 8), ("onednn", "row_block"))[0] == "onednn"
+    assert packed_kernels.measure_packed_kernel(torch.randn(24, 8), ("onednn", "row_block"))[0] == "onednn"
 
 
 @pytest.fixture
@@ -228,7 +229,7 @@ def test_a_copy_made_where_the_kernel_cannot_run_falls_back_to_onednn(monkeypatc
     clone = copy.deepcopy(model)  # repacks on first use, as an unpickled model in another process does
     with torch.no_grad():
         assert torch.allclose(clone(ids).logits, expected, atol=1e-5)
-    assert clone.model.layers[0].mlp.up_proj._dspark_packed_weight[5] is fast_path._run_packed
+    assert clone.model.layers[0].mlp.up_proj._dspark_packed_weight[5] is packed_kernels._run_packed
 
 
 def test_a_missing_toolchain_is_named(monkeypatch):

@@ -1,4 +1,4 @@
-"""A disk cache of the packed-kernel choices :func:`~dspark_hf.kernels.cpu_fast_path.measure_packed_kernel` makes.
+"""A disk cache of the packed-kernel choices :func:`~dspark_hf.kernels.cpu_packed_kernels.measure_packed_kernel` makes.
 
 Timing every weight shape against every kernel takes most of ``optimize_for_cpu``'s time (SmolLM2
 on a 2-core Zen 3: 14-18 s the first time, 0.4-0.7 s in a later process that reads the choices
@@ -30,7 +30,7 @@ from .cpu_row_block import kernel_isa
 
 logger = logging.get_logger(__name__)
 
-_KERNEL_FILES = ("cpu_fast_path.py", "cpu_attention.py", *(f"csrc/{name}" for name in SOURCE_FILES))
+_KERNEL_FILES = ("cpu_fast_path.py", "cpu_packed_kernels.py", "cpu_attention.py", *(f"csrc/{name}" for name in SOURCE_FILES))
 _unwritable: set[Path] = set()
 
 
