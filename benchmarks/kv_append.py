@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -24,9 +25,11 @@ from dspark_hf import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.kernels import cpu_decoder
+from dspark_hf import DSparkDraftModel
+from dspark_hf.kernels import cpu_decoder, kv_buffers
 
 WAYS = ("in_place", "cat")
+SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"
 
 
 def main(argv=None) -> dict:
@@ -36,6 +39,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated in part 2 (0: skip)")
+    parser.add_argument("--draft", default=str(SHIPPED_DRAFT), help="draft for part 3 ('' to skip)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
 
@@ -100,9 +104,50 @@ def main(argv=None) -> dict:
             if not identical:
                 raise SystemExit("greedy outputs differ between the two ways")
     plan.append_in_place = True
-    result = {"steps": steps, "generation": generation, "environment": environment, "args": vars(args)}
+    draft_rounds = _draft_rounds(model, args, generator) if args.draft else None
+    result = {"steps": steps, "generation": generation, "draft_rounds": draft_rounds, "environment": environment,
+              "args": vars(args)}
     write_json_result(result, args.out)
     return result
+
+
+def _draft_rounds(target, args, generator) -> dict:
+    """Part 3: the draft's add_context (2 tokens) + block forward, its context cache in buffers or concatenated."""
+    draft = DSparkDraftModel.from_pretrained(args.draft, dtype=getattr(torch, args.dtype)).eval()
+    draft.bind_target(target)
+    optimize_for_cpu(draft)
+    config = draft.config
+    width = len(config.target_layer_ids) * target.config.hidden_size
+    joinable = kv_buffers.joinable
+    concatenate = lambda stored, new: False  # noqa: E731 - every append and block takes torch.cat
+    rounds = {}
+    print("draft round: context   in place ms   cat ms   in place / cat")
+    with torch.inference_mode():
+        for context in args.contexts:
+            features = torch.randn(1, context + 2 * (args.repeats + 2), width, generator=generator).to(draft.dtype)
+            caches, outputs, seconds = {}, {way: [] for way in WAYS}, {way: [] for way in WAYS}
+            for way in WAYS:
+                kv_buffers.joinable = joinable if way == "in_place" else concatenate
+                caches[way] = draft.new_cache()
+                draft.add_context(caches[way], features[:, :context], torch.arange(context)[None])
+            block = torch.full((1, config.block_size), config.mask_token_id)
+            for turn in range(args.repeats + 2):
+                for way in WAYS if turn % 2 == 0 else WAYS[::-1]:
+                    kv_buffers.joinable = joinable if way == "in_place" else concatenate
+                    cache, length = caches[way], caches[way].length
+                    start = time.perf_counter()
+                    draft.add_context(cache, features[:, length:length + 2], torch.arange(length, length + 2)[None])
+                    out = draft(block, torch.arange(length + 2, length + 2 + config.block_size)[None], cache)
+                    if turn >= 2:
+                        seconds[way].append(time.perf_counter() - start)
+                    outputs[way].append(out.logits)
+            kv_buffers.joinable = joinable
+            if not all(torch.equal(a, b) for a, b in zip(outputs["in_place"], outputs["cat"])):
+                raise SystemExit("the draft's outputs differ between the two ways")
+            in_place, cat = (1000 * statistics.median(seconds[way]) for way in WAYS)
+            rounds[str(context)] = {"in_place_ms": in_place, "cat_ms": cat, "ratio": in_place / cat}
+            print(f"{context:20d} {in_place:13.3f} {cat:8.3f} {in_place / cat:16.3f}")
+    return rounds
 
 
 if __name__ == "__main__":

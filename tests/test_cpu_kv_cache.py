@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import dspark_hf.kernels.cpu_decoder as cpu_decoder
-from dspark_hf.kernels import cpu_extension, cpu_kv_cache
+from dspark_hf.kernels import cpu_extension, cpu_kv_cache, kv_buffers
 from dspark_hf.kernels.cpu_decoder import use_lean_decoder
 from dspark_hf.kernels.cpu_kv_cache import append_to_cache
 from tiny_models import random_target
@@ -37,7 +37,7 @@ def _two_caches():
 
 
 def test_appends_crops_and_growth_give_what_torch_cat_gives(monkeypatch, path):
-    monkeypatch.setattr(cpu_kv_cache, "SPARE_TOKENS", 4)  # small room, so the buffer grows several times
+    monkeypatch.setattr(kv_buffers, "SPARE_TOKENS", 4)  # small room, so the buffer grows several times
     generator = torch.Generator().manual_seed(0)
     stock, in_place = _two_caches()
     buffers_seen = set()
@@ -64,7 +64,7 @@ def test_steps_with_room_write_into_the_same_buffer(path):
     cache = DynamicCache()
     append_to_cache(cache, *_states(generator, 10), 0)
     buffer = cache.layers[0].__dict__[cpu_kv_cache._BUFFERS_ATTRIBUTE][0]
-    assert buffer.shape[2] == 10 + cpu_kv_cache.SPARE_TOKENS
+    assert buffer.shape[2] == 10 + kv_buffers.SPARE_TOKENS
     for _ in range(5):
         append_to_cache(cache, *_states(generator, 3), 0)
         cache.crop(-1)
@@ -129,7 +129,7 @@ def test_a_sliding_window_layer_keeps_its_own_update():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lean_decoder_writes_in_place_with_outputs_equal_bit_for_bit(dtype, monkeypatch, path):
-    monkeypatch.setattr(cpu_kv_cache, "SPARE_TOKENS", 3)
+    monkeypatch.setattr(kv_buffers, "SPARE_TOKENS", 3)
     stock = random_target("llama", num_layers=2).to(dtype)
     lean = copy.deepcopy(stock)
     assert use_lean_decoder(lean)
@@ -152,7 +152,7 @@ def test_the_lean_decoder_writes_in_place_with_outputs_equal_bit_for_bit(dtype, 
 
 
 def test_greedy_generation_with_a_growing_buffer_equals_the_stock_model(monkeypatch, path):
-    monkeypatch.setattr(cpu_kv_cache, "SPARE_TOKENS", 5)
+    monkeypatch.setattr(kv_buffers, "SPARE_TOKENS", 5)
     stock = random_target("qwen3", num_layers=2)
     lean = copy.deepcopy(stock)
     assert use_lean_decoder(lean)

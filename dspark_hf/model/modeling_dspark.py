@@ -35,6 +35,7 @@ from . import draft_vocab
 from . import speculators_format
 from .checkpoint_dtypes import check_checkpoint_dtypes
 from .configuration_dspark import DSparkConfig, target_layer_ids_problem
+from .draft_context_cache import DraftContextCache
 from .draft_masks import layer_attention_masks
 from .heads import ConfidenceHead, MarkovHead
 from .draft_runtime import DraftRuntimeSettings
@@ -53,38 +54,6 @@ def _drop_load_report(record) -> bool:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding for ``x`` of shape (batch, heads, seq, head_dim); cos/sin (batch, seq, head_dim)."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
-
-
-class DraftContextCache:
-    """Per-layer keys/values of the draft's context (target features of accepted tokens).
-
-    Only context lives here: a round appends the newly accepted tokens and the block's own
-    keys/values are never stored, so rollback is implicit. ``key_mask`` marks real (non-padding)
-    context tokens and is ``None`` while every token is real.
-    """
-
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.key_mask: torch.Tensor | None = None
-        self.length = 0
-
-    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self.keys[layer_idx] is None:
-            self.keys[layer_idx], self.values[layer_idx] = keys, values
-        else:
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], keys], dim=2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], values], dim=2)
-
-    def append_mask(self, mask: torch.Tensor | None, num_new: int, batch_size: int, device) -> None:
-        """Records which of the ``num_new`` appended tokens are real; ``mask`` None means all."""
-        if mask is None and self.key_mask is None:
-            return
-        if mask is None:
-            mask = torch.ones(batch_size, num_new, dtype=torch.bool, device=device)
-        if self.key_mask is None:
-            self.key_mask = torch.ones(batch_size, self.length, dtype=torch.bool, device=device)
-        self.key_mask = torch.cat([self.key_mask, mask.to(device=device, dtype=torch.bool)], dim=1)
 
 
 class DSparkAttention(nn.Module):
@@ -114,17 +83,16 @@ class DSparkAttention(nn.Module):
         hidden_states: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        context_keys: torch.Tensor | None,
-        context_values: torch.Tensor | None,
+        context: DraftContextCache | None,
+        layer_idx: int,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         queries = self.q_norm(self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim))
         queries = _rope(queries.transpose(1, 2), cos, sin)
         keys, values = self.project_kv(hidden_states, cos, sin)
-        if context_keys is not None:
-            keys = torch.cat([context_keys, keys], dim=2)
-            values = torch.cat([context_values, values], dim=2)
+        if context is not None:
+            keys, values = context.with_block(layer_idx, keys, values)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=attention_mask, enable_gqa=self.num_kv_heads != self.num_heads
         )
@@ -139,9 +107,9 @@ class DSparkDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, cos, sin, context_keys, context_values, attention_mask):
+    def forward(self, hidden_states, cos, sin, context, layer_idx, attention_mask):
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), cos, sin, context_keys, context_values, attention_mask
+            self.input_layernorm(hidden_states), cos, sin, context, layer_idx, attention_mask
         )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -509,9 +477,7 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         cos, sin = self.rotary_emb(hidden, position_ids)
         masks = layer_attention_masks(self.config, attention_mask, cache, tuple(input_ids.shape), hidden.device)
         for idx, layer in enumerate(self.layers):
-            keys = cache.keys[idx] if cache is not None else None
-            values = cache.values[idx] if cache is not None else None
-            hidden = layer(hidden, cos, sin, keys, values, masks[idx])
+            hidden = layer(hidden, cos, sin, cache, idx, masks[idx])
         hidden = self.norm(hidden)
         if mask_positions_predict:  # z-lab layout: the anchor's output predicts nothing
             hidden = hidden[:, 1:]
