@@ -200,3 +200,16 @@ def test_the_compiled_append_refuses_what_it_cannot_write_in_place():
         before = key_buffer.clone()
         assert kernels.append_key_value(stored_keys, stored_values, key_buffer, value_buffer, new_key, new_value) is None, case
         assert torch.equal(key_buffer, before), case
+
+
+def test_beam_search_and_repeated_rows_equal_the_stock_model(path):
+    """Beam search reorders the cache and num_return_sequences repeats its rows: both assign new tensors."""
+    stock = random_target("llama", num_layers=2)
+    lean = copy.deepcopy(stock)
+    assert use_lean_decoder(lean)
+    prompt = torch.randint(1, 48, (2, 7), generator=torch.Generator().manual_seed(8))
+    for settings in (dict(num_beams=3, do_sample=False, max_new_tokens=12),
+                     dict(num_beams=3, num_return_sequences=2, do_sample=False, max_new_tokens=10),
+                     dict(do_sample=False, max_new_tokens=300, min_new_tokens=300)):  # past one buffer's room
+        want, got = (model.generate(prompt, pad_token_id=0, **settings) for model in (stock, lean))
+        assert torch.equal(want, got), settings
