@@ -30,7 +30,8 @@ from .cpu_row_block import kernel_isa
 
 logger = logging.get_logger(__name__)
 
-_KERNEL_FILES = ("cpu_fast_path.py", "cpu_packed_kernels.py", "cpu_attention.py", *(f"csrc/{name}" for name in SOURCE_FILES))
+_KERNEL_FILES = ("cpu_fast_path.py", "cpu_packed_kernels.py", "cpu_attention.py",
+                 *(f"csrc/{name}" for name in SOURCE_FILES))
 _unwritable: set[Path] = set()
 
 
