@@ -10,7 +10,7 @@ registers) and reads each block from memory once, whatever the number of rows, p
 where the rows' multiply-adds would otherwise leave the memory idle.
 
 Instruction-set paths: ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (AVX-512 F/BW/VL: one register per
-16 columns, up to 8 or 12 rows per group; 3-8 rows of float32 weights on two blocks at once) and
+16 columns, up to 8 or 12 rows per group; groups of 3-8 rows of float32 weights on two blocks at once) and
 ``avx512_bf16`` (adds VDPBF16PS for bfloat16 weights and inputs, twice the multiply-adds per
 instruction). The widest the CPU offers is used;
 ``$DSPARK_HF_ROW_BLOCK_ISA`` (``avx2``, ``avx512``) pins a narrower one for the whole process. Under

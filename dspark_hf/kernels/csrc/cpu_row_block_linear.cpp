@@ -14,9 +14,9 @@
 //   avx512_bf16 and bfloat16 inputs, VDPBF16PS multiplies the pair and adds it in one instruction.
 //
 // A group of rows keeps its accumulators in registers (AVX2: up to 6 rows x 2 registers; AVX-512: up
-// to 8 rows, 12 for bfloat16 pairs, x 1, and 3-8 rows of float32/float16 weights on two blocks at once, each
-// broadcast input feeding two multiply-adds); more rows take turns on each short k-span of the block while it
-// sits in L1, so every weight is read from memory once per call at an even pace. Threads split the column blocks.
+// to 8 rows, 12 for bfloat16 pairs, x 1, and groups of 3-8 rows of float32/float16 weights on two blocks at once,
+// each broadcast input feeding two multiply-adds); more rows take turns on each short k-span of the block(s) while
+// they sit in L1, so every weight is read from memory once per call at an even pace. Threads split the column blocks.
 //
 // With several rows the FMAs take long enough that the hardware prefetcher alone leaves the memory
 // idle part of the time (8 rows of SmolLM2's fp32 linears: 24.8 ms against 17.0 ms for one row on a
@@ -291,7 +291,9 @@ template <typename W> constexpr int64_t kPrefetchFromRows = sizeof(W) == 4 ? 2 :
 template <typename W> constexpr auto kAvx2Path = make_path<float, W, 6, false, Avx2<W>::template K>(kPrefetchFromRows<W>, kSpanK);
 template <typename W> constexpr auto kAvx512Path = make_path<float, W, 8, true, Avx512<W>::template K>(kPrefetchFromRows<W>, kSpanK);
 // Wide groups only where they measured faster: float32 weights at 3-8 rows (SmolLM2 fp32 forward of 8 tokens
-// 8% faster on a Zen 4); for bfloat16 pairs they measured the same (benchmarks/row_block_rows.py --whole-step).
+// 8% faster on a Zen 4), and in groups of 4-8 from 9 rows on (whole fp32 forwards of 12 / 16 tokens 0.87 / 0.96
+// of their time with one block at a time, geometric mean over both orders, 2-core Zen 4); for bfloat16 pairs they
+// measured the same (benchmarks/row_block_rows.py --whole-step).
 constexpr auto kPairsFmaPath = make_path<float, uint32_t, 12, false, PairsFma>(1, kSpanK / 2);
 constexpr auto kPairsDotPath = make_path<uint32_t, uint32_t, 12, false, PairsDot>(1, kSpanK / 2);
 
@@ -321,29 +323,32 @@ void store_row(const float* sums, int64_t width, const Output& out, int64_t row,
 
 // All rows x `count` adjacent blocks, the first at column `first_column`. One or two rows take kOneRowBlocks or
 // kTwoRowBlocks blocks per kernel call. More rows go in groups of at most MaxRows, of balanced size (8 rows
-// under AVX2: 4 + 4), one block at a time; with more than one group the block is walked in spans and every
-// group takes its turn on a span while it is in L1, so the weights stream from memory at an even pace.
+// under AVX2: 4 + 4), on kWideBlocks blocks at a time where the path has wide kernels, else one; with more than
+// one group the block(s) are walked in spans and every group takes its turn on a span while it is in L1, so the
+// weights stream from memory at an even pace.
 template <typename X, typename W, int MaxRows>
 void rows_of_blocks(const Path<X, W, MaxRows>& path, const X* x, int64_t ldx, int64_t rows, int64_t steps,
                     const W* blocks, int64_t count, const Output& out, int64_t first_column, float* acc) {
   const int prefetch = rows >= path.prefetch_from_rows ? 1 : 0;
   const int64_t stride = steps * kBlock;
-  const bool wide_rows = rows > 2 && rows <= std::min<int64_t>(MaxRows, kWideMaxRows) && path.wide[0][rows] != nullptr;
-  const int64_t wide = rows == 1 ? kOneRowBlocks : rows == 2 ? kTwoRowBlocks : wide_rows ? kWideBlocks : 1;
+  const int64_t groups = (rows + MaxRows - 1) / MaxRows;
+  // Groups of 3 .. MaxRows rows (more than 2 rows split so) take two blocks at once where the path has wide kernels.
+  const bool wide_groups = rows > 2 && MaxRows <= kWideMaxRows && path.wide[0][MaxRows] != nullptr;
+  const int64_t wide = rows == 1 ? kOneRowBlocks : rows == 2 ? kTwoRowBlocks : wide_groups ? kWideBlocks : 1;
+  const int64_t span = groups == 1 ? steps : path.span_steps;
   for (int64_t b = 0; b < count;) {
     const int64_t tile = b + wide <= count ? wide : 1;
     std::fill(acc, acc + rows * tile * kBlock, 0.0f);
-    if (tile > 1) {
-      const auto span = rows == 1 ? path.one_row[prefetch] : rows == 2 ? path.two_rows[prefetch] : path.wide[prefetch][rows];
-      span(x, ldx, blocks + b * stride, stride, 0, steps, acc);
+    if (tile > 1 && rows <= 2) {
+      const auto kernel = rows == 1 ? path.one_row[prefetch] : path.two_rows[prefetch];
+      kernel(x, ldx, blocks + b * stride, stride, 0, steps, acc);
     } else {
-      const int64_t groups = (rows + MaxRows - 1) / MaxRows;
-      const int64_t span = groups == 1 ? steps : path.span_steps;
       for (int64_t s = 0; s < steps; s += span) {
         const int64_t s_end = std::min<int64_t>(steps, s + span);
         for (int64_t group = 0, first = 0; group < groups; ++group) {
           const int64_t size = (rows - first) / (groups - group);
-          path.group[prefetch][size](x + first * ldx, ldx, blocks + b * stride, stride, s, s_end, acc + first * kBlock);
+          const auto kernel = tile > 1 ? path.wide[prefetch][size] : path.group[prefetch][size];
+          kernel(x + first * ldx, ldx, blocks + b * stride, stride, s, s_end, acc + first * tile * kBlock);
           first += size;
         }
       }
