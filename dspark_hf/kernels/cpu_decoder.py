@@ -22,7 +22,8 @@ where torch's fused ``rms_norm`` already served, on a 2-core Zen 4: ``benchmarks
 random rows, and the kernel is not used where none does. A probe runs a prefill and two cached steps
 both ways and requires equal outputs bit for bit: if the shortcuts differ the
 model's own norm and rotary functions are used; if the loop still differs it is not installed
-(logged).
+(logged). A third shortcut, checked by the same probe, writes each step's keys and values into spare
+room of the cache instead of concatenating them (:mod:`dspark_hf.kernels.cpu_kv_cache`).
 
 Any call it was not built for takes the model's own forward: training or gradients, attention
 weights requested, keyword arguments it does not know, a cache other than ``DynamicCache``, or hooks

@@ -2,9 +2,8 @@
 
 transformers' ``DynamicLayer.update`` appends a step's keys and values with ``torch.cat``, which copies
 the whole cached tensor of the layer every step: a step costs time in proportion to the context it
-already has. For SmolLM2-135M in float32 on a 256-token context that was the largest op outside the
-kernels (``aten::cat``, 620 calls in 10 steps, under ``torch.profiler``), and at 2,000 tokens of
-context it copies about 95 MB a step.
+already has (SmolLM2-135M in float32 at 2,048 tokens: 30 layers x keys and values x 3 heads x 2,048 x 64
+x 4 bytes, 94 MB copied a step).
 
 :func:`append_to_cache` keeps each layer's keys and values in buffers with room to spare
 (:mod:`dspark_hf.kernels.kv_buffers`); the layer's ``keys`` and ``values`` are views of the filled part,
@@ -14,8 +13,9 @@ assigns new tensors simply starts fresh buffers at the next step). The numbers s
 the strides of the key and value tensors handed to attention change, and the lean decoder's probe checks
 that outputs stay equal bit for bit before it uses this (:mod:`dspark_hf.kernels.cpu_decoder`). Where the
 compiled CPU extension is loaded, one call checks and writes both and returns the views
-(``csrc/cpu_kv_append.cpp``); from Python the checks and four ops cost about as much as the
-concatenation on a short context.
+(``csrc/cpu_kv_append.cpp``); from Python the checks and four ops cost as much as the concatenation on a
+256-token context. Step times, in place over concatenated, on a 2-core Zen 4: 0.88-0.98 at 256-2,048
+tokens (``benchmarks/kv_append.py``, docs/benchmarks.md).
 
 It runs only inside the lean forward (no gradients) and only on plain ``DynamicLayer`` layers of a
 cache that is not offloaded; every other layer type goes through its own ``update``.
@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import cpu_extension
-from .kv_buffers import joinable, write_behind
+from .kv_buffers import append_pair
 
 _BUFFERS_ATTRIBUTE = "_dspark_kv_buffers"  # (key buffer, value buffer) on the DynamicLayer
 
@@ -61,12 +61,11 @@ def _append_checked(layer: DynamicLayer, key_states: torch.Tensor,
                     value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not layer.is_initialized:
         layer.lazy_initialization(key_states, value_states)
-    if not (joinable(layer.keys, key_states) and joinable(layer.values, value_states)):
+    joined = append_pair((layer.keys, layer.values), layer.__dict__.get(_BUFFERS_ATTRIBUTE, (None, None)),
+                         (key_states, value_states))
+    if joined is None:
         return layer.update(key_states, value_states)  # what torch.cat makes of it (or its error)
-    key_buffer, value_buffer = layer.__dict__.get(_BUFFERS_ATTRIBUTE, (None, None))
-    layer.keys, key_buffer = write_behind(layer.keys, key_buffer, key_states)
-    layer.values, value_buffer = write_behind(layer.values, value_buffer, value_states)
-    layer.__dict__[_BUFFERS_ATTRIBUTE] = (key_buffer, value_buffer)
+    (layer.keys, layer.values), layer.__dict__[_BUFFERS_ATTRIBUTE] = joined
     return layer.keys, layer.values
 
 

@@ -65,4 +65,17 @@ def write_behind(stored: torch.Tensor | None, buffer: torch.Tensor | None,
     return buffer.narrow(2, 0, end), buffer
 
 
-__all__ = ["SPARE_TOKENS", "is_leading_view", "joinable", "stored_length", "write_behind"]
+def append_pair(stored: tuple[torch.Tensor | None, torch.Tensor | None],
+                buffers: tuple[torch.Tensor | None, torch.Tensor | None],
+                new: tuple[torch.Tensor, torch.Tensor]) -> tuple[tuple, tuple] | None:
+    """Keys and values ``new`` written behind ``stored`` (:func:`write_behind` for each): ``((keys, values),
+    (key buffer, value buffer))``, or None where either pair is not :func:`joinable` (the caller concatenates,
+    or lets ``torch.cat`` raise its error)."""
+    if not (joinable(stored[0], new[0]) and joinable(stored[1], new[1])):
+        return None
+    keys, key_buffer = write_behind(stored[0], buffers[0], new[0])
+    values, value_buffer = write_behind(stored[1], buffers[1], new[1])
+    return (keys, values), (key_buffer, value_buffer)
+
+
+__all__ = ["SPARE_TOKENS", "append_pair", "is_leading_view", "joinable", "stored_length", "write_behind"]

@@ -28,7 +28,7 @@ class DraftContextCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.key_mask: torch.Tensor | None = None
         self.length = 0
-        self._buffers: list[list[torch.Tensor | None]] = [[None, None] for _ in range(num_layers)]
+        self._buffers: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_layers
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stores a layer's keys and values of new context tokens behind the ones it holds."""
@@ -54,13 +54,13 @@ class DraftContextCache:
         stored_keys, stored_values = self.keys[layer_idx], self.values[layer_idx]
         recording = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (stored_keys, stored_values, keys, values))
-        if recording or not (kv_buffers.joinable(stored_keys, keys) and kv_buffers.joinable(stored_values, values)):
+        joined = None if recording else kv_buffers.append_pair(
+            (stored_keys, stored_values), self._buffers[layer_idx], (keys, values))
+        if joined is None:
             if stored_keys is None:
                 return keys, values
             return torch.cat([stored_keys, keys], dim=2), torch.cat([stored_values, values], dim=2)
-        buffers = self._buffers[layer_idx]
-        joined_keys, buffers[0] = kv_buffers.write_behind(stored_keys, buffers[0], keys)
-        joined_values, buffers[1] = kv_buffers.write_behind(stored_values, buffers[1], values)
+        (joined_keys, joined_values), self._buffers[layer_idx] = joined
         return joined_keys, joined_values
 
     def append_mask(self, mask: torch.Tensor | None, num_new: int, batch_size: int, device) -> None:
