@@ -9,7 +9,6 @@
     python benchmarks/verify_cost.py --attention-baseline /tmp/old --sizes 1 8  # another build's attention kernel
     python benchmarks/verify_cost.py --compare-lean-ops --sizes 1 8           # norms and rotation as PyTorch ops
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
-    python benchmarks/verify_cost.py --compare-unfused --sizes 1 2 4 8 16    # q/k/v and gate/up one call each
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
 other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and
@@ -84,22 +83,6 @@ def _with_attention_kernel(step, module):
     return run
 
 
-def _with_lean_flag(step, model, flag: str, value):
-    """``step`` with the lean plan's ``flag`` set to ``value`` around each call (the same prepared model,
-    weights and all, so no preparation-order bias between the two)."""
-    plan = model.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
-
-    def run(num_tokens: int) -> float:
-        saved = getattr(plan, flag)
-        setattr(plan, flag, value)
-        try:
-            return step(num_tokens)
-        finally:
-            setattr(plan, flag, saved)
-
-    return run
-
-
 def _compiled_copy(stock, parts: str):
     """A copy of ``stock`` with the CPU GQA attention and the named parts of every decoder layer (or its whole forward) compiled."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -152,9 +135,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--compare-lean-ops", action="store_true",
                         help="also time the prepared model with its lean forward's norms and rotation run as PyTorch "
                              "ops instead of the compiled calls, to show what those add")
-    parser.add_argument("--compare-unfused", action="store_true",
-                        help="also time the prepared model with its sibling projections (q/k/v, gate/up) run one call "
-                             "each instead of one fused call (the same model, its lean plan's flag switched)")
     parser.add_argument("--attention-baseline", metavar="DIR",
                         help="also time the prepared model with the few-query attention kernel built from this folder "
                              "of CPU extension sources (another version)")
@@ -190,8 +170,6 @@ def main(argv=None) -> dict:
         plan = lean_ops.model.__dict__[cpu_decoder._INSTALLED_ATTRIBUTE]
         plan.rotary_kernel, plan.norm_kernel_lanes = False, 0
         steppers["lean ops"] = _stepper(lean_ops, context, new_ids)
-    if args.compare_unfused:
-        steppers["unfused"] = _with_lean_flag(_stepper(prepared, context, new_ids), prepared, "fused_projections", False)
     if args.compare_invariant:
         steppers["invariant"] = _stepper(optimize_for_cpu(copy.deepcopy(stock), batch_invariant=True), context, new_ids)
     compile_seconds = None
@@ -228,7 +206,7 @@ def main(argv=None) -> dict:
     print("B    prepared T(B)/T(1) paired by round: median [quartiles]")
     for b in args.sizes[1:]:
         print(f"{b:<4} {paired[b]['median']:.3f} [{paired[b]['lower_quartile']:.3f}, {paired[b]['upper_quartile']:.3f}]")
-    for name in ("packed only", "oneDNN only", "lean ops", "unfused", "SDPA attention", "baseline attention", "invariant",
+    for name in ("packed only", "oneDNN only", "lean ops", "SDPA attention", "baseline attention", "invariant",
                  "compiled"):
         if name in medians:
             print(f"B    {name} ms  {name} T(B)/T(1)  stock/{name}  {name}/prepared")

@@ -48,7 +48,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from . import cpu_extension
-from .cpu_fused_projections import FUSED_ATTRIBUTE
 from .cpu_kv_cache import append_to_cache
 
 logger = logging.get_logger(__name__)
@@ -124,9 +123,6 @@ class _LeanPlan:
         # Each step's keys and values written into spare room of the layer's cache rather than concatenated
         # (cpu_kv_cache.py: the same numbers, other strides; checked by the probe like the shortcuts).
         self.append_in_place = True
-        # Sibling projections that optimize_for_cpu fused run as one call (cpu_fused_projections.py: the same
-        # bits, checked by the probe like the shortcuts).
-        self.fused_projections = True
 
     def hooks_allow_lean(self) -> bool:
         # transformers installs output-capturing hooks on decoder layers and attentions (for
@@ -208,12 +204,12 @@ def _attention(plan: _LeanPlan, layer: nn.Module, hidden_states: torch.Tensor, r
     projections = attention._modules
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, attention.head_dim)
-    query, key, value = _project(plan, attention, ("q_proj", "k_proj", "v_proj"), hidden_states)
-    query, key = query.view(hidden_shape), key.view(hidden_shape)
+    query = projections["q_proj"].forward(hidden_states).view(hidden_shape)
+    key = projections["k_proj"].forward(hidden_states).view(hidden_shape)
     if "q_norm" in projections:  # Qwen3: an RMSNorm over each head before the rotation
         query, key = _norm(plan, projections["q_norm"], query), _norm(plan, projections["k_norm"], key)
     query, key = query.transpose(1, 2), key.transpose(1, 2)
-    value = value.view(hidden_shape).transpose(1, 2)
+    value = projections["v_proj"].forward(hidden_states).view(hidden_shape).transpose(1, 2)
     query, key = _rotate(plan, query, key, *rotary)
     if cache is not None and plan.append_in_place:
         key, value = append_to_cache(cache, key, value, attention.layer_idx)
@@ -224,23 +220,12 @@ def _attention(plan: _LeanPlan, layer: nn.Module, hidden_states: torch.Tensor, r
     return projections["o_proj"].forward(output.reshape(*input_shape, -1).contiguous())
 
 
-def _project(plan: _LeanPlan, parent: nn.Module, names: tuple[str, ...], hidden_states: torch.Tensor) -> tuple:
-    """The projections ``names`` of ``parent`` applied to ``hidden_states``: one call where they are fused
-    (:mod:`dspark_hf.kernels.cpu_fused_projections`), else one each."""
-    group = parent.__dict__.get(FUSED_ATTRIBUTE) if plan.fused_projections else None
-    outputs = group(hidden_states) if group is not None else None
-    if outputs is None:
-        modules = parent._modules
-        outputs = tuple(modules[name].forward(hidden_states) for name in names)
-    return outputs
-
-
-def _mlp(plan: _LeanPlan, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _mlp(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     mlp = layer._modules["mlp"]
     if type(mlp).__name__ in _GATED_MLP_CLASSES:
         parts = mlp._modules
-        gate, up = _project(plan, mlp, ("gate_proj", "up_proj"), hidden_states)
-        return parts["down_proj"].forward(parts["act_fn"].forward(gate) * up)
+        return parts["down_proj"].forward(parts["act_fn"].forward(parts["gate_proj"].forward(hidden_states))
+                                          * parts["up_proj"].forward(hidden_states))
     return mlp(hidden_states)
 
 
@@ -283,7 +268,7 @@ def _lean_forward(base: nn.Module, *args, **kwargs) -> BaseModelOutputWithPast:
         hidden_states = _norm(plan, parts["input_layernorm"], hidden_states)
         hidden_states = residual + _attention(plan, layer, hidden_states, rotary, mask, cache, attention_function)
         residual = hidden_states
-        hidden_states = residual + _mlp(plan, layer, _norm(plan, parts["post_attention_layernorm"], hidden_states))
+        hidden_states = residual + _mlp(layer, _norm(plan, parts["post_attention_layernorm"], hidden_states))
         if collected is not None:
             collected.append(hidden_states if selected is None or index + 1 in selected else None)
     hidden_states = _norm(plan, base.norm, hidden_states)
@@ -328,13 +313,11 @@ def use_lean_decoder(model: nn.Module) -> bool:
         base.__dict__[_INSTALLED_ATTRIBUTE] = plan
         base.forward = _LeanForward(base)
         reason = _probe_difference(base)
-        if reason is not None and (plan.fused_norm or plan.roll_rotary or plan.append_in_place or plan.fused_projections):
+        if reason is not None and (plan.fused_norm or plan.roll_rotary or plan.append_in_place):
             # One of the shortcuts differs here: the model's own norm, rotary and cache functions must agree.
             logger.info("optimize_for_cpu: the lean forward's shortcuts (fused or compiled norm and rotation, keys and "
-                        "values written in place, fused sibling projections) differ here (%s); it calls the model's "
-                        "own instead.", reason)
+                        "values written in place) differ here (%s); it calls the model's own instead.", reason)
             plan.fused_norm = plan.roll_rotary = plan.rotary_kernel = plan.append_in_place = False
-            plan.fused_projections = False
             plan.norm_kernel_lanes = 0
             reason = _probe_difference(base)
         if reason is not None:

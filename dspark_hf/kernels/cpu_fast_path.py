@@ -53,16 +53,17 @@ from torch import nn
 from transformers.utils import logging
 
 from . import cpu_huge_pages, cpu_row_block, kernel_choices
-from .cpu_packed_kernels import (KERNEL_ATTRIBUTE, MIN_ROWS_ATTRIBUTE, ONEDNN, PACKABLE_DTYPES, PACKED_ATTRIBUTE,
-                                 PACKED_KERNELS, ROW_BLOCK, entry_matches, fast_path_unavailable_reason, kernel_dtype,
-                                 measure_packed_kernel, pack_for, row_block_usable)
+from .cpu_packed_kernels import (ONEDNN, PACKABLE_DTYPES, PACKED_KERNELS, ROW_BLOCK, fast_path_unavailable_reason,
+                                 kernel_dtype, measure_packed_kernel, pack_for, row_block_usable)
 from .cpu_attention import use_cpu_gqa_attention
 from .cpu_decoder import use_lean_decoder
-from .cpu_fused_projections import FusedProjections, fuse_sibling_projections, fused_projections
 from .cpu_invariant import use_batch_invariant_verify
 
 logger = logging.get_logger(__name__)
 
+_PACKED_ATTRIBUTE = "_dspark_packed_weight"
+_MIN_ROWS_ATTRIBUTE = "_dspark_packed_min_rows"
+_KERNEL_ATTRIBUTE = "_dspark_packed_kernel"
 # The packed copies may take at most this share of the memory available when packing starts: a model
 # that nearly fills memory keeps its stock layers (logged) rather than pushing the machine into swap.
 _MEMORY_SHARE = 0.8
@@ -80,18 +81,18 @@ class PackedLinear(nn.Linear):
         # The packed copy may be an opaque oneDNN tensor that cannot be copied or pickled; a copy of the
         # layer (copy.deepcopy, torch.save of the model) packs its own weight on first use.
         state = self.__dict__.copy()
-        state.pop(PACKED_ATTRIBUTE, None)
+        state.pop(_PACKED_ATTRIBUTE, None)
         return state
 
     def _packed_entry(self) -> tuple:
         weight = self.weight
-        entry = self.__dict__.get(PACKED_ATTRIBUTE)
-        if entry is None or not entry_matches(entry, weight):
+        entry = self.__dict__.get(_PACKED_ATTRIBUTE)
+        if entry is None or not _entry_matches(entry, weight):
             # Holds the weight itself, so identity is checked by `is` (an id can be reused once a tensor
             # is freed); a replaced weight is released when the layer next repacks.
-            packed, run = pack_for(self.__dict__.get(KERNEL_ATTRIBUTE, ONEDNN), weight)
+            packed, run = pack_for(self.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN), weight)
             entry = (weight, weight._version, weight.data_ptr(), weight.dtype, packed, run)
-            object.__setattr__(self, PACKED_ATTRIBUTE, entry)  # not a parameter or buffer
+            object.__setattr__(self, _PACKED_ATTRIBUTE, entry)  # not a parameter or buffer
         return entry
 
     def _packed_weight(self) -> torch.Tensor:
@@ -103,10 +104,10 @@ class PackedLinear(nn.Linear):
         state = self.__dict__
         parameters = state["_parameters"]
         weight, bias = parameters["weight"], parameters["bias"]
-        if input.numel() < state.get(MIN_ROWS_ATTRIBUTE, 1) * input.shape[-1]:
+        if input.numel() < state.get(_MIN_ROWS_ATTRIBUTE, 1) * input.shape[-1]:
             return F.linear(input, weight, bias)
-        entry = state.get(PACKED_ATTRIBUTE)
-        if entry is not None and input.dtype is entry[3] and input.is_cpu and entry_matches(entry, weight) \
+        entry = state.get(_PACKED_ATTRIBUTE)
+        if entry is not None and input.dtype is entry[3] and input.is_cpu and _entry_matches(entry, weight) \
                 and not (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad)):
             return entry[5](input, entry[4], bias)
         usable = (
@@ -120,6 +121,12 @@ class PackedLinear(nn.Linear):
             return F.linear(input, weight, bias)
         entry = self._packed_entry()
         return entry[5](input, entry[4], bias)
+
+
+def _entry_matches(entry: tuple, weight: torch.Tensor) -> bool:
+    """Whether a packed entry was made from ``weight`` as it is now: the same tensor, not modified in
+    place since (version counter), not given new storage (``.data =``, as ``.to()`` does)."""
+    return entry[0] is weight and entry[1] == weight._version and entry[2] == weight.data_ptr()
 
 
 def pack_linear(module: nn.Linear, packed_min_rows: int | None = None, kernel: str | None = None) -> int:
@@ -138,8 +145,8 @@ def pack_linear(module: nn.Linear, packed_min_rows: int | None = None, kernel: s
     module.__class__ = PackedLinear
     if hasattr(module, "_old_forward"):  # accelerate's hook calls the forward it saved
         module._old_forward = types.MethodType(PackedLinear.forward, module)
-    object.__setattr__(module, MIN_ROWS_ATTRIBUTE, packed_min_rows)
-    object.__setattr__(module, KERNEL_ATTRIBUTE, kernel)
+    object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, packed_min_rows)
+    object.__setattr__(module, _KERNEL_ATTRIBUTE, kernel)
     with torch.no_grad():
         module._packed_entry()
     return packed_min_rows
@@ -153,7 +160,7 @@ def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
     returned as it is."""
     # The source's dtype passed its probe when it was packed: no second probe inside a generation.
     if isinstance(source, PackedLinear) and _skip_reason(module) is None and module.weight.dtype == source.weight.dtype:
-        pack_linear(module, source.__dict__.get(MIN_ROWS_ATTRIBUTE, 1), source.__dict__.get(KERNEL_ATTRIBUTE, ONEDNN))
+        pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1), source.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN))
         if cpu_huge_pages.on_huge_pages(source._packed_weight()):
             _place_on_huge_pages(module)
     return module
@@ -235,7 +242,6 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
     _pack_linear_layers(model, packed_min_rows, packed_kernel)
     first_parameter = next(model.parameters(), None)
     if first_parameter is not None and first_parameter.device.type == "cpu":
-        fuse_sibling_projections(model)
         if huge_pages:
             _place_on_huge_pages(model)
         use_cpu_gqa_attention(model)
@@ -256,11 +262,11 @@ def _invariant_packing(model: nn.Module, packed_kernel: str | None, packed_min_r
     if reason is not None:
         raise ValueError(f"batch_invariant=True needs the row-block linear kernel, which cannot run here: {reason}.")
     for module in model.modules():
-        if isinstance(module, PackedLinear) and (module.__dict__.get(KERNEL_ATTRIBUTE), module.__dict__.get(
-                MIN_ROWS_ATTRIBUTE)) != (ROW_BLOCK, 1):
-            object.__setattr__(module, KERNEL_ATTRIBUTE, ROW_BLOCK)
-            object.__setattr__(module, MIN_ROWS_ATTRIBUTE, 1)
-            module.__dict__.pop(PACKED_ATTRIBUTE, None)  # packed again on first use
+        if isinstance(module, PackedLinear) and (module.__dict__.get(_KERNEL_ATTRIBUTE), module.__dict__.get(
+                _MIN_ROWS_ATTRIBUTE)) != (ROW_BLOCK, 1):
+            object.__setattr__(module, _KERNEL_ATTRIBUTE, ROW_BLOCK)
+            object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, 1)
+            module.__dict__.pop(_PACKED_ATTRIBUTE, None)  # packed again on first use
     return ROW_BLOCK, 1
 
 
@@ -299,7 +305,7 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
     with torch.no_grad():
         for name, module in packable:
             min_rows = pack_linear(module, packed_min_rows, packed_kernel)
-            choices[(*module.weight.shape, module.weight.dtype)] = (module.__dict__[KERNEL_ATTRIBUTE], min_rows)
+            choices[(*module.weight.shape, module.weight.dtype)] = (module.__dict__[_KERNEL_ATTRIBUTE], min_rows)
     made = sum(_packed_bytes(m) for _, m in packable)
     widened = sorted({d for (_, _, d), (k, _) in choices.items() if k == ONEDNN and kernel_dtype(d) != d}, key=str)
     for dtype in widened:
@@ -319,24 +325,13 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
         logger.info("optimize_for_cpu: left %d linear layer(s) as they are (%s), e.g. %s.", len(names), reason, names[0])
 
 
-def _row_block_copies(model: nn.Module) -> tuple[list[torch.Tensor], dict[int, list]]:
+def _row_block_copies(model: nn.Module) -> tuple[list[torch.Tensor], dict[int, list[PackedLinear]]]:
     """The row-block packed copies of ``model``'s layers not yet on huge pages (packing any not packed yet), and
-    what uses each, by the copy's id: the layers (a copy may serve several) or a group of fused siblings (whose
-    stacked copy their own are views of)."""
+    the layers using each, by the copy's id (a copy may serve several layers)."""
     copies, owners = [], {}
-    in_groups = set()
-    for module in model.modules():
-        group = fused_projections(module)
-        if group is not None and group.current():
-            in_groups.update(id(member) for member in group.members)
-            if not cpu_huge_pages.on_huge_pages(group.packed):
-                copies.append(group.packed)
-                owners[id(group.packed)] = [group]
     with torch.no_grad():
         for module in model.modules():
-            if id(module) in in_groups:
-                continue
-            if isinstance(module, PackedLinear) and module.__dict__.get(KERNEL_ATTRIBUTE) == ROW_BLOCK:
+            if isinstance(module, PackedLinear) and module.__dict__.get(_KERNEL_ATTRIBUTE) == ROW_BLOCK:
                 copy = module._packed_entry()[4]
                 # skipped: oneDNN's copy where the row-block kernel cannot run here, and copies already moved
                 if copy.layout == torch.strided and not cpu_huge_pages.on_huge_pages(copy):
@@ -358,11 +353,8 @@ def _place_on_huge_pages(model: nn.Module) -> None:
 
     def replace(old: torch.Tensor, new: torch.Tensor) -> None:
         for module in owners.pop(id(old)):
-            if isinstance(module, FusedProjections):
-                module.move_to(new)
-                continue
-            entry = module.__dict__[PACKED_ATTRIBUTE]
-            object.__setattr__(module, PACKED_ATTRIBUTE, (*entry[:4], new, *entry[5:]))
+            entry = module.__dict__[_PACKED_ATTRIBUTE]
+            object.__setattr__(module, _PACKED_ATTRIBUTE, (*entry[:4], new, *entry[5:]))
 
     count = len(packed)
     try:
@@ -377,7 +369,7 @@ def _place_on_huge_pages(model: nn.Module) -> None:
 
 def _packed_bytes(module: PackedLinear) -> int:
     """Memory of a layer's packed copy (oneDNN's is opaque: its weight's size in the kernel's dtype)."""
-    if module.__dict__[KERNEL_ATTRIBUTE] == ROW_BLOCK:
+    if module.__dict__[_KERNEL_ATTRIBUTE] == ROW_BLOCK:
         packed = module._packed_weight()
         return packed.numel() * packed.element_size()
     return module.weight.numel() * kernel_dtype(module.weight.dtype).itemsize

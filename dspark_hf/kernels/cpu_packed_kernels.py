@@ -30,12 +30,6 @@ logger = logging.get_logger(__name__)
 _BATCH_SIZE_HINT = 16
 ONEDNN, ROW_BLOCK = "onednn", "row_block"
 PACKED_KERNELS = (ONEDNN, ROW_BLOCK)
-# Where a packed layer (cpu_fast_path.PackedLinear) keeps, as plain attributes rather than parameters, its packed
-# entry (the weight it was made from, that weight's version and data pointer, dtype, packed copy, run), the
-# fewest input rows from which it uses the packed copy, and the kernel it was packed for.
-PACKED_ATTRIBUTE = "_dspark_packed_weight"
-MIN_ROWS_ATTRIBUTE = "_dspark_packed_min_rows"
-KERNEL_ATTRIBUTE = "_dspark_packed_kernel"
 _PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 # Packed must be clearly faster on the probe: near the crossover the two kernels are within the
 # probe's noise, and a layer-level win of a few percent did not survive in whole-model steps.
@@ -91,12 +85,6 @@ def pack_for(kernel: str, weight: torch.Tensor) -> tuple:
         logger.warning_once("dspark_hf: a layer packed for the row-block kernel runs on oneDNN's instead: %s.",
                             cpu_row_block.row_block_unavailable_reason() or f"no row-block kernel for {weight.dtype}")
     return _pack(weight), _run_packed
-
-
-def entry_matches(entry: tuple, weight: torch.Tensor) -> bool:
-    """Whether a packed entry was made from ``weight`` as it is now: the same tensor, not modified in
-    place since (version counter), not given new storage (``.data =``, as ``.to()`` does)."""
-    return entry[0] is weight and entry[1] == weight._version and entry[2] == weight.data_ptr()
 
 
 def row_block_usable(dtype: torch.dtype) -> bool:
