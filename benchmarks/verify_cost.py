@@ -9,6 +9,7 @@
     python benchmarks/verify_cost.py --attention-baseline /tmp/old --sizes 1 8  # another build's attention kernel
     python benchmarks/verify_cost.py --compare-lean-ops --sizes 1 8           # norms and rotation as PyTorch ops
     python benchmarks/verify_cost.py --compare-invariant --sizes 1 2 4 8 16  # prepared with batch_invariant=True
+    python benchmarks/verify_cost.py --round-weights bfloat16                # fp32 model of a bf16 checkpoint
 
 Both models run in one process, interleaved size by size and round by round, in reverse order every
 other round (the machine's drift hits both alike); medians per size, and the ratios T(B)/T(1) and
@@ -17,6 +18,10 @@ stock/prepared are printed, with the float32 multiply-add rate of the moment bef
 and the compute-bound part of a several-token step with it). The prepared model's T(B)/T(1) is also given paired: the ratio of the two
 steps within each round (timed a few milliseconds apart, so slow spells of the machine cancel), its
 median over rounds and the quartiles, which move less between runs than the ratio of medians.
+
+``--round-weights DTYPE`` first rounds the model's weights to bfloat16 or float16 values (what loading a
+checkpoint stored in that dtype in float32 gives; the local SmolLM2, converted from a GGUF file, holds other
+values): ``optimize_for_cpu`` then packs them in 16 bits (``benchmarks/narrow_packing.py`` compares packings).
 
 ``--attention-baseline DIR`` builds the CPU extension from another version's sources (a folder such as
 ``git archive REV dspark_hf/kernels/csrc | tar -x -C DIR --strip-components 3`` makes) and times a
@@ -135,6 +140,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--compare-lean-ops", action="store_true",
                         help="also time the prepared model with its lean forward's norms and rotation run as PyTorch "
                              "ops instead of the compiled calls, to show what those add")
+    parser.add_argument("--round-weights", choices=["bfloat16", "float16"], default=None,
+                        help="round the float32 weights to this dtype's values first (a half-precision checkpoint "
+                             "loaded in float32)")
     parser.add_argument("--attention-baseline", metavar="DIR",
                         help="also time the prepared model with the few-query attention kernel built from this folder "
                              "of CPU extension sources (another version)")
@@ -144,6 +152,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     stock, _ = load_smollm2()
     stock = stock.to(getattr(torch, args.dtype))
+    if args.round_weights:
+        with torch.no_grad():
+            for parameter in stock.parameters():
+                parameter.copy_(parameter.to(getattr(torch, args.round_weights)))
     start = time.perf_counter()
     prepared = optimize_for_cpu(copy.deepcopy(stock))
     pack_seconds = time.perf_counter() - start
@@ -216,7 +228,10 @@ def main(argv=None) -> dict:
                       f"{medians['stock'][b] / c:{len(name) + 6}.2f}  {c / medians['prepared'][b]:{len(name) + 9}.2f}")
     result = {"environment": env, "dtype": args.dtype, "context": args.context, "threads": torch.get_num_threads(), "pack_seconds": pack_seconds,
               "compile": args.compile, "compile_seconds": compile_seconds, "median_seconds": medians,
-              "prepared_paired_ratios": paired, "multiply_add_gflops_before_after": rates}
+              "prepared_paired_ratios": paired, "multiply_add_gflops_before_after": rates,
+              "round_weights": args.round_weights,
+              "packed_dtypes": sorted({str(m._packed_weight().dtype) for m in prepared.modules()
+                                       if hasattr(m, "_packed_weight") and hasattr(m._packed_weight(), "dtype")})}
     write_json_result(result, args.out)
     return result
 

@@ -34,8 +34,14 @@ accelerate hooks (their saved forward is redirected). If a weight is replaced or
 after packing (``load_state_dict``, an optimiser step, ``.to()``), the layer notices through the
 tensor's identity and version counter and packs it again.
 
+A float32 model loaded from a checkpoint stored in bfloat16 or float16 (most on the Hub) holds only values of that
+dtype: the row-block kernel then streams 16-bit copies of its weights, widened back to the same float32 values in
+registers, with the same results bit for bit (``narrow_weights``; SmolLM2 fp32 holding bfloat16 values: one-token
+steps 0.66-0.80 of their time with float32 copies, ``benchmarks/narrow_packing.py``).
+
 Cost: one extra copy of every packed weight (for SmolLM2-135M about 540 MB next to the model's
-540 MB; twice the weight's own size for oneDNN's float32 copy of half-precision weights) and the
+540 MB, half that in 16-bit copies; twice the weight's own size for oneDNN's float32 copy of half-precision
+weights) and the
 packing and timing at prepare time, both logged. The timing is done once per machine: its outcome
 is kept on disk (:mod:`dspark_hf.kernels.kernel_choices`). Where Linux offers transparent huge pages, the
 row-block copies then move into one buffer on 2 MB pages, which the step streams faster
@@ -64,6 +70,8 @@ logger = logging.get_logger(__name__)
 _PACKED_ATTRIBUTE = "_dspark_packed_weight"
 _MIN_ROWS_ATTRIBUTE = "_dspark_packed_min_rows"
 _KERNEL_ATTRIBUTE = "_dspark_packed_kernel"
+# Whether a float32 weight that a 16-bit dtype holds exactly is packed in that dtype (cpu_row_block.exact_narrow_dtype).
+_NARROW_ATTRIBUTE = "_dspark_packed_narrow"
 # The packed copies may take at most this share of the memory available when packing starts: a model
 # that nearly fills memory keeps its stock layers (logged) rather than pushing the machine into swap.
 _MEMORY_SHARE = 0.8
@@ -90,7 +98,8 @@ class PackedLinear(nn.Linear):
         if entry is None or not _entry_matches(entry, weight):
             # Holds the weight itself, so identity is checked by `is` (an id can be reused once a tensor
             # is freed); a replaced weight is released when the layer next repacks.
-            packed, run = pack_for(self.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN), weight)
+            packed, run = pack_for(self.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN), weight,
+                                   self.__dict__.get(_NARROW_ATTRIBUTE, False))
             entry = (weight, weight._version, weight.data_ptr(), weight.dtype, packed, run)
             object.__setattr__(self, _PACKED_ATTRIBUTE, entry)  # not a parameter or buffer
         return entry
@@ -129,7 +138,8 @@ def _entry_matches(entry: tuple, weight: torch.Tensor) -> bool:
     return entry[0] is weight and entry[1] == weight._version and entry[2] == weight.data_ptr()
 
 
-def pack_linear(module: nn.Linear, packed_min_rows: int | None = None, kernel: str | None = None) -> int:
+def pack_linear(module: nn.Linear, packed_min_rows: int | None = None, kernel: str | None = None,
+                narrow: bool = False) -> int:
     """Turns one plain CPU ``nn.Linear`` (of a packable dtype) into a :class:`PackedLinear` in place (parameters,
     hooks and ties untouched) and packs its weight; returns the crossover in input rows it uses.
 
@@ -147,6 +157,7 @@ def pack_linear(module: nn.Linear, packed_min_rows: int | None = None, kernel: s
         module._old_forward = types.MethodType(PackedLinear.forward, module)
     object.__setattr__(module, _MIN_ROWS_ATTRIBUTE, packed_min_rows)
     object.__setattr__(module, _KERNEL_ATTRIBUTE, kernel)
+    object.__setattr__(module, _NARROW_ATTRIBUTE, narrow)
     with torch.no_grad():
         module._packed_entry()
     return packed_min_rows
@@ -160,7 +171,8 @@ def packed_like(source: nn.Module, module: nn.Linear) -> nn.Linear:
     returned as it is."""
     # The source's dtype passed its probe when it was packed: no second probe inside a generation.
     if isinstance(source, PackedLinear) and _skip_reason(module) is None and module.weight.dtype == source.weight.dtype:
-        pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1), source.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN))
+        pack_linear(module, source.__dict__.get(_MIN_ROWS_ATTRIBUTE, 1), source.__dict__.get(_KERNEL_ATTRIBUTE, ONEDNN),
+                    source.__dict__.get(_NARROW_ATTRIBUTE, False))
         if cpu_huge_pages.on_huge_pages(source._packed_weight()):
             _place_on_huge_pages(module)
     return module
@@ -179,7 +191,7 @@ def _skip_reason(module: nn.Linear) -> str | None:
 
 def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
                      packed_kernel: str | None = None, batch_invariant: bool = False,
-                     huge_pages: bool = True) -> nn.Module:
+                     huge_pages: bool = True, narrow_weights: bool = True) -> nn.Module:
     """Prepares ``model`` in place for fast decoding on CPU and returns it.
 
     Every ``nn.Linear`` on the CPU runs from a copy of its weight packed once, with the kernel that
@@ -226,6 +238,12 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
         huge_pages: put the row-block kernel's packed weights in one buffer on 2 MB pages where Linux offers
             transparent huge pages (:mod:`dspark_hf.kernels.cpu_huge_pages`: the same bytes, read faster); logged
             where it cannot. ``False`` leaves them in ordinary memory.
+        narrow_weights: a float32 weight on the row-block kernel whose every value float16 or bfloat16 holds
+            exactly (a model loaded in float32 from a checkpoint stored in half precision, as most on the Hub
+            are) is packed in that dtype: half the bytes to stream each step, and the same results bit for bit
+            (the kernel widens it back to the same float32 values and runs the same multiply-add chains;
+            checked on a probe per instruction set, :func:`~dspark_hf.kernels.cpu_row_block.exact_narrow_dtype`).
+            ``False`` packs float32 weights in float32.
     """
     if packed_min_rows is not None and (isinstance(packed_min_rows, bool) or not isinstance(packed_min_rows, int)
                                         or packed_min_rows < 1):
@@ -239,7 +257,8 @@ def optimize_for_cpu(model: nn.Module, *, packed_min_rows: int | None = None,
         raise TypeError(f"optimize_for_cpu expects a torch.nn.Module, got {type(model).__name__}.")
     if batch_invariant:
         packed_kernel, packed_min_rows = _invariant_packing(model, packed_kernel, packed_min_rows)
-    _pack_linear_layers(model, packed_min_rows, packed_kernel)
+    _set_narrow_packing(model, narrow_weights)
+    _pack_linear_layers(model, packed_min_rows, packed_kernel, narrow_weights)
     first_parameter = next(model.parameters(), None)
     if first_parameter is not None and first_parameter.device.type == "cpu":
         if huge_pages:
@@ -270,7 +289,16 @@ def _invariant_packing(model: nn.Module, packed_kernel: str | None, packed_min_r
     return ROW_BLOCK, 1
 
 
-def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_kernel: str | None) -> None:
+def _set_narrow_packing(model: nn.Module, narrow: bool) -> None:
+    """Layers packed before with the other ``narrow`` setting pack again (on first use) with this one."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module.__dict__.get(_NARROW_ATTRIBUTE, False) != narrow:
+            object.__setattr__(module, _NARROW_ATTRIBUTE, narrow)
+            module.__dict__.pop(_PACKED_ATTRIBUTE, None)
+
+
+def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_kernel: str | None,
+                        narrow: bool) -> None:
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     to_pack = [(name, m) for name, m in linears if not isinstance(m, PackedLinear)]
     if not to_pack:
@@ -304,7 +332,7 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
     choices = {}
     with torch.no_grad():
         for name, module in packable:
-            min_rows = pack_linear(module, packed_min_rows, packed_kernel)
+            min_rows = pack_linear(module, packed_min_rows, packed_kernel, narrow)
             choices[(*module.weight.shape, module.weight.dtype)] = (module.__dict__[_KERNEL_ATTRIBUTE], min_rows)
     made = sum(_packed_bytes(m) for _, m in packable)
     widened = sorted({d for (_, _, d), (k, _) in choices.items() if k == ONEDNN and kernel_dtype(d) != d}, key=str)
@@ -316,6 +344,15 @@ def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_ke
         "optimize_for_cpu: packed %d linear layers (%.0f MB of extra memory) in %.2f s.",
         len(packable), made / 2**20, time.perf_counter() - start,
     )
+    narrowed = {}
+    for _, module in packable:
+        packed = module._packed_weight()
+        if module.weight.dtype == torch.float32 and getattr(packed, "dtype", None) in (torch.bfloat16, torch.float16):
+            narrowed[packed.dtype] = narrowed.get(packed.dtype, 0) + 1
+    for dtype, count in narrowed.items():
+        logger.info("optimize_for_cpu: %d float32 weights hold only %s values (a checkpoint stored in half precision): "
+                    "packed in %s, half the bytes to stream, the same results bit for bit.", count,
+                    str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
     if choices:
         logger.info("optimize_for_cpu: packed kernel and the input rows it is used from, per weight shape "
                     "(timed once per machine, cached in %s): %s.", kernel_choices.choices_path(),

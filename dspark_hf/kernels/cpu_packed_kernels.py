@@ -76,11 +76,15 @@ def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return _packed_linear(x.to(packed.dtype), packed, bias).to(x.dtype)
 
 
-def pack_for(kernel: str, weight: torch.Tensor) -> tuple:
-    """``(packed weight, run)`` for ``kernel``, where ``run(x, packed, bias)`` computes the layer."""
+def pack_for(kernel: str, weight: torch.Tensor, narrow: bool = False) -> tuple:
+    """``(packed weight, run)`` for ``kernel``, where ``run(x, packed, bias)`` computes the layer. With ``narrow``,
+    a float32 weight for the row-block kernel whose values a 16-bit dtype holds exactly is packed in that dtype
+    (:func:`~dspark_hf.kernels.cpu_row_block.exact_narrow_dtype`: the same results bit for bit, half the bytes)."""
     if kernel == ROW_BLOCK:
         if row_block_usable(weight.dtype):
-            return cpu_row_block.pack_row_blocks(weight), cpu_row_block.runner(weight.shape[0])
+            narrow_dtype = cpu_row_block.exact_narrow_dtype(weight) if narrow else None
+            packed = weight if narrow_dtype is None else weight.detach().to(narrow_dtype)
+            return cpu_row_block.pack_row_blocks(packed), cpu_row_block.runner(weight.shape[0])
         # e.g. a prepared model unpickled in a process that cannot build the kernel: same results within rounding
         logger.warning_once("dspark_hf: a layer packed for the row-block kernel runs on oneDNN's instead: %s.",
                             cpu_row_block.row_block_unavailable_reason() or f"no row-block kernel for {weight.dtype}")

@@ -156,6 +156,67 @@ def _pack_for_isa(weight: torch.Tensor, isa: str | None) -> torch.Tensor:
     return packed.contiguous()
 
 
+# Tried in this order where both hold a weight exactly (often: SmolLM2's bfloat16 values all fit float16), per
+# instruction-set path, from whole forwards of SmolLM2 fp32 holding bfloat16 values on a 2-core Zen 4 running each
+# path (benchmarks/narrow_packing.py, results/narrow_packing_zen4_*.json). AVX-512: both 16-bit packings took
+# 0.69-0.91 of float32 packing's time at 1-8 tokens; from 12 tokens on bfloat16 pairs 0.93-0.96 (one run 1.03 at 16)
+# and float16 1.02-1.06, so bfloat16 comes first. AVX2: float16 0.63-0.98 and bfloat16 0.66-0.99 at 1-16 tokens,
+# float16 ahead or level from 4 tokens on, so float16 comes first. A float16-only weight under AVX-512 is still
+# packed in float16: decoding steps of 1-8 tokens gain far more than 12+ tokens lose.
+_NARROW_ORDER = {"avx2": (torch.float16, torch.bfloat16), "avx512": (torch.bfloat16, torch.float16),
+                 "avx512_bf16": (torch.bfloat16, torch.float16)}
+_narrow_checks: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def exact_narrow_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """A 16-bit dtype (bfloat16 or float16, in the order that measured faster on this instruction-set path)
+    that holds every value of the float32 ``weight`` exactly and in which the kernel gives the float32
+    packing's results bit for bit here (:func:`narrow_packing_matches`), or None. A float32 model loaded
+    from a checkpoint stored in half precision has such weights: packed in that dtype they stream from
+    memory in half the bytes, and the kernel widens them back to the same float32 values and runs the same
+    multiply-add chains."""
+    isa = kernel_isa()
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.numel() == 0 or isa is None:
+        return None
+    for dtype in _NARROW_ORDER[isa]:
+        # The pair layout pads an odd K with a zero weight: fine for the results' values, but an output of -0.0
+        # would come out +0.0, so bfloat16 narrowing is kept to even widths.
+        if dtype == torch.bfloat16 and weight.shape[1] % 2:
+            continue
+        if narrow_packing_matches(dtype) and torch.equal(weight.to(dtype).float(), weight):
+            return dtype
+    return None
+
+
+def narrow_packing_matches(dtype: torch.dtype) -> bool:
+    """Whether float32 weights holding only ``dtype`` values, packed in ``dtype``, give here the outputs of
+    their float32 packing bit for bit (a probe over 1-17 input rows, once per instruction-set path)."""
+    module = _load()
+    if module is None:
+        return False
+    key = (module.isa(), dtype)
+    if key not in _narrow_checks:
+        generator = torch.Generator().manual_seed(1)
+        weight = (torch.randn(48, 40, generator=generator) * 0.1).to(dtype).float()
+        weight[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -6e-8, 3.0e4]).to(dtype).float()  # zeros, tiny, large
+        bias = torch.randn(48, generator=generator)
+        wide, narrow = pack_row_blocks(weight), pack_row_blocks(weight.to(dtype))
+        matches = True
+        for rows in (1, 2, 3, 5, 8, 9, 13, 17):
+            x = torch.randn(rows, 40, generator=generator)
+            x[0, :3] = torch.tensor([0.0, -0.0, 1e-40])  # a zero and a subnormal input
+            for b in (None, bias):
+                got = module.row_block_linear(x, narrow, 48, b)
+                expected = module.row_block_linear(x, wide, 48, b)
+                matches = matches and torch.equal(got.view(torch.int32), expected.view(torch.int32))
+        _narrow_checks[key] = matches
+        if not matches:
+            logger.info("dspark_hf: float32 weights holding only %s values stay packed in float32: the row-block "
+                        "kernel's %s path does not reproduce their float32 results bit for bit from %s packing.",
+                        dtype, key[0], dtype)
+    return _narrow_checks[key]
+
+
 def runner(out_features: int):
     """``run(x, packed, bias)`` for a layer of ``out_features`` outputs (the form PackedLinear calls)."""
     linear = _state["module"].row_block_linear
@@ -171,5 +232,5 @@ def row_block_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, b
     return _state["module"].row_block_linear(x, packed, out_features, bias)
 
 
-__all__ = ["kernel_isa", "load_kernel", "pack_row_blocks", "row_block_linear", "row_block_unavailable_reason", "runner",
-           "supports_dtype"]
+__all__ = ["exact_narrow_dtype", "kernel_isa", "load_kernel", "narrow_packing_matches", "pack_row_blocks",
+           "row_block_linear", "row_block_unavailable_reason", "runner", "supports_dtype"]
