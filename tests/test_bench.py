@@ -22,13 +22,13 @@ def test_summary_metrics_on_synthetic_rounds():
     rounds_a = [_round(3, 3), _round(3, 1), _round(0, 0, draft=0.0, serial=0.0, schedule=0.0, drafted=False)]
     rounds_b = [_round(2, 0), _round(3, 2)]
     records = [
-        RunRecord("target", "gsm8k", "greedy", 0, new_tokens=10, seconds=1.0),
-        RunRecord("target", "gsm8k", "greedy", 1, new_tokens=10, seconds=1.0),
+        RunRecord("target", "gsm8k", "greedy", 0, new_tokens=10, seconds=1.0, target_prefill_seconds=0.5),
+        RunRecord("target", "gsm8k", "greedy", 1, new_tokens=10, seconds=1.0, target_prefill_seconds=0.1),
         RunRecord("target-stock", "gsm8k", "greedy", 0, new_tokens=20, seconds=4.0),
         RunRecord("dspark-scheduler", "gsm8k", "greedy", 0, new_tokens=8, seconds=0.3, prefill_seconds=0.05,
-                  rounds=rounds_a, identical=True),
+                  rounds=rounds_a, identical=True, target_prefill_seconds=0.1),
         RunRecord("dspark-scheduler", "gsm8k", "greedy", 1, new_tokens=7, seconds=0.2, prefill_seconds=0.05,
-                  rounds=rounds_b, identical=True),
+                  rounds=rounds_b, identical=True, target_prefill_seconds=0.05),
         RunRecord("early-exit", "gsm8k", "greedy", 0, error="ValueError: unsupported"),
     ]
     rows = {r["method"]: r for r in summarize(records, block_size=3)}
@@ -37,6 +37,11 @@ def test_summary_metrics_on_synthetic_rounds():
     assert dspark["tokens_per_s"] == pytest.approx(15 / 0.5)
     assert dspark["speedup"] == pytest.approx(3.0)
     assert dspark["speedup_vs_stock"] == pytest.approx(6.0) and target["speedup_vs_stock"] == pytest.approx(2.0)
+    # decode: each run's time less the target's prefill of its prompt; unknown where a run lacks it (stock here)
+    assert target["decode_tokens_per_s"] == pytest.approx(20 / 1.4)
+    assert dspark["decode_tokens_per_s"] == pytest.approx(15 / 0.35)
+    assert dspark["decode_speedup"] == pytest.approx((15 / 0.35) / (20 / 1.4))
+    assert rows["target-stock"]["decode_tokens_per_s"] is None and rows["target-stock"]["decode_speedup"] is None
     # tau: (accepted 6 + 5 rounds) / 5 rounds; efficiency 6 accepted of 11 verified
     assert dspark["tau"] == pytest.approx(11 / 5)
     assert dspark["verify_efficiency"] == pytest.approx(6 / 11)
@@ -56,7 +61,7 @@ def test_summary_metrics_on_synthetic_rounds():
     assert dspark["identical_to_target"] is True
     assert rows["early-exit"]["tokens_per_s"] is None and rows["early-exit"]["errors"]
     table = markdown_table(list(rows.values()))
-    assert "| gsm8k | greedy | dspark-scheduler | 30.0 | 3.00x | 6.00x | 2.20 | 0.55 | 80% | 0% |" in table
+    assert "| gsm8k | greedy | dspark-scheduler | 30.0 | 3.00x | 3.00x | 6.00x | 2.20 | 0.55 | 80% | 0% |" in table
     assert "error: ValueError: unsupported" in table
 
 
@@ -106,8 +111,9 @@ def test_quick_bench_on_a_tiny_model(tmp_path):
     assert {len([r for r in saved["runs"] if r["method"] == m]) for m in methods} == {3 * 2 * 2}  # 2 prompts
     for row in rows:
         assert not row["errors"], row
+        assert 0 < row["decode_tokens_per_s"] and row["tokens_per_s"] < row["decode_tokens_per_s"]  # prefill timed
         if row["method"] == "target":
-            assert row["speedup"] == pytest.approx(1.0)
+            assert row["speedup"] == pytest.approx(1.0) and row["decode_speedup"] == pytest.approx(1.0)
         elif row["mode"] == "greedy":
             assert row["identical_to_target"] is True, row
         if row["method"].startswith(("dspark", "dflash", "candidate")):

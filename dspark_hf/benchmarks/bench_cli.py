@@ -23,7 +23,9 @@ order of methods rotates from one prompt to the next), so drift of the machine h
 
 Greedy runs also check that each method's output is token-for-token the target's.
 
-Per dataset and decoding mode it reports tokens/s, speedup over the target alone, mean accepted
+Per dataset and decoding mode it reports tokens/s, speedup over the target alone (and the decode speedup:
+the same with each run's time less the target's own prefill of its prompt, timed beside the runs, since
+sampled runs stop at different lengths and the same prefill then weighs on fewer tokens), mean accepted
 length tau (tokens per target forward, bonus included), verify efficiency (accepted / verified
 draft tokens), per-position conditional acceptance, the distribution of scheduled lengths, the
 share of rounds that drafted, the wall time per round split into target verify / draft forward

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.policies import FixedLengthPolicy, ThresholdPolicy
@@ -70,6 +70,9 @@ class RunRecord:
     new_tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float | None = None
+    # The target's own forward over this prompt (the prefill every method starts with), timed just before the
+    # methods ran on it; the rest of ``seconds`` is decoding. The stock target's for ``target-stock``.
+    target_prefill_seconds: float | None = None
     rounds: list[RoundStats] | None = None  # DSpark methods only
     identical: bool | None = None  # greedy: output equals the target's
     error: str | None = None
@@ -101,6 +104,14 @@ def _generate(target, stock_target, method: BenchMethod, drafts, ids, mode, max_
     elif method.kind == "early-exit":
         kwargs["assistant_early_exit"] = early_exit_layer
     return target.generate(ids, **kwargs)
+
+
+def _time_prefill(model: PreTrainedModel, ids: torch.Tensor) -> float:
+    """Seconds of one forward of ``model`` over the prompt ``ids``, filling a fresh cache, as ``generate`` starts."""
+    start = time.perf_counter()
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+          use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
 
 
 @torch.no_grad()
@@ -142,8 +153,12 @@ def run_benchmark(
                 order = methods[turn % len(methods):] + methods[: turn % len(methods)]
                 turn += 1
                 outputs: dict[str, list[int]] = {}
+                prefill = {"target": _time_prefill(target, ids)}
+                if stock_target is not None and any(m.kind == "target-stock" for m in methods):
+                    prefill["target-stock"] = _time_prefill(stock_target, ids)
                 for method in order:
                     record = RunRecord(method.name, dataset, mode, index)
+                    record.target_prefill_seconds = prefill.get(method.kind, prefill["target"])
                     torch.manual_seed(seed + index)
                     try:
                         start = time.perf_counter()

@@ -17,7 +17,9 @@ def merge_stats(all_stats: list[DSparkGenerationStats]) -> DSparkGenerationStats
 def summarize(records: list[RunRecord], block_size: int = 7) -> list[dict]:
     """One row per (dataset, mode, method) with the reported metrics (see the module docstring).
 
-    Speedup is tokens/s over the ``target`` method's tokens/s on the same dataset and mode.
+    Speedup is tokens/s over the ``target`` method's tokens/s on the same dataset and mode. Decode speedup is
+    the same with each run's time less the target's own prefill of its prompt (timed beside the runs): sampled
+    runs stop at different lengths, and a run that stops earlier spreads the same prefill over fewer tokens.
     Per-round times are in milliseconds; "other" is the generation's wall time minus the target's
     prefill and the measured parts, per round.
     """
@@ -33,6 +35,9 @@ def summarize(records: list[RunRecord], block_size: int = 7) -> list[dict]:
         tokens = sum(r.new_tokens for r in done)
         row["new_tokens"] = tokens
         row["tokens_per_s"] = tokens / seconds if seconds > 0 else None
+        decode = sum(r.seconds - r.target_prefill_seconds for r in done) if done and all(
+            r.target_prefill_seconds is not None for r in done) else None
+        row["decode_tokens_per_s"] = tokens / decode if decode and decode > 0 else None
         checked = [r.identical for r in done if r.identical is not None]
         row["identical_to_target"] = all(checked) if checked else None
         with_rounds = [r for r in done if r.rounds is not None]
@@ -63,11 +68,13 @@ def summarize(records: list[RunRecord], block_size: int = 7) -> list[dict]:
             # Overhead outside the two forwards, as a share of the round.
             row["overhead_share"] = (wall - timings["target_verify"] - timings["draft_forward"]) / wall if wall > 0 else None
         rows.append(row)
-    for column, base_method in (("speedup", "target"), ("speedup_vs_stock", "target-stock")):
-        baseline = {(r["dataset"], r["mode"]): r["tokens_per_s"] for r in rows if r["method"] == base_method}
+    for column, base_method, rate in (("speedup", "target", "tokens_per_s"),
+                                      ("speedup_vs_stock", "target-stock", "tokens_per_s"),
+                                      ("decode_speedup", "target", "decode_tokens_per_s")):
+        baseline = {(r["dataset"], r["mode"]): r[rate] for r in rows if r["method"] == base_method}
         for row in rows:
             base = baseline.get((row["dataset"], row["mode"]))
-            row[column] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+            row[column] = row[rate] / base if base and row[rate] else None
     return rows
 
 
@@ -85,9 +92,9 @@ def markdown_table(rows: list[dict]) -> str:
     """The summary as a markdown table, rows grouped by mode and dataset, methods in a fixed order."""
     rows = sorted(rows, key=_row_order)
     lines = [
-        "| dataset | mode | method | tok/s | speedup | vs stock | tau | verify eff. | drafted | lookup | mean verified | "
+        "| dataset | mode | method | tok/s | speedup | decode speedup | vs stock | tau | verify eff. | drafted | lookup | mean verified | "
         "ms/round verify / draft / serial / sched / other | overhead | same as target |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for row in rows:
         split = row.get("ms_per_round")
@@ -96,11 +103,12 @@ def markdown_table(rows: list[dict]) -> str:
         same = {True: "yes", False: "**NO**", None: "-"}[row["identical_to_target"]]
         if row["errors"] and row["tokens_per_s"] is None:
             lines.append(f"| {row['dataset']} | {row['mode']} | {row['method']} | error: {row['errors'][0][:60]} "
-                         "| | | | | | | | | | |")
+                         "| | | | | | | | | | | |")
             continue
         lines.append(
             f"| {row['dataset']} | {row['mode']} | {row['method']} | {_fmt(row['tokens_per_s'], 1)} | "
-            f"{_fmt(row['speedup'], 2, 'x')} | {_fmt(row.get('speedup_vs_stock'), 2, 'x')} | {_fmt(row.get('tau'))} | {_fmt(row.get('verify_efficiency'))} | "
+            f"{_fmt(row['speedup'], 2, 'x')} | {_fmt(row.get('decode_speedup'), 2, 'x')} | "
+            f"{_fmt(row.get('speedup_vs_stock'), 2, 'x')} | {_fmt(row.get('tau'))} | {_fmt(row.get('verify_efficiency'))} | "
             f"{_fmt(None if row.get('drafted_fraction') is None else 100 * row['drafted_fraction'], 0, '%')} | "
             f"{_fmt(None if row.get('source_shares') is None else 100 * row['source_shares'].get('lookup', 0.0), 0, '%')} | "
             f"{_fmt(row.get('mean_scheduled_length'))} | {split_text} | "
