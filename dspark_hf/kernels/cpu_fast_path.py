@@ -41,8 +41,7 @@ steps 0.66-0.80 of their time with float32 copies, ``benchmarks/narrow_packing.p
 
 Cost: one extra copy of every packed weight (for SmolLM2-135M about 540 MB next to the model's
 540 MB, half that in 16-bit copies; twice the weight's own size for oneDNN's float32 copy of half-precision
-weights) and the
-packing and timing at prepare time, both logged. The timing is done once per machine: its outcome
+weights) and the packing and timing at prepare time, both logged. The timing is done once per machine: its outcome
 is kept on disk (:mod:`dspark_hf.kernels.kernel_choices`). Where Linux offers transparent huge pages, the
 row-block copies then move into one buffer on 2 MB pages, which the step streams faster
 (:mod:`dspark_hf.kernels.cpu_huge_pages`; ``huge_pages=False`` keeps them where they are).
