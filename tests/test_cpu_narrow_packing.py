@@ -14,20 +14,6 @@ from tiny_models import random_target
 
 _UNAVAILABLE = row_block.row_block_unavailable_reason()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"row-block kernel unavailable: {_UNAVAILABLE}")
-_CPU_ISA = None if _UNAVAILABLE else row_block._state["module"].cpu_isa()
-_OFFERED = () if _CPU_ISA is None else row_block.ISAS[:row_block.ISAS.index(_CPU_ISA) + 1]
-
-
-@pytest.fixture(params=row_block.ISAS)
-def isa(request):
-    """Each instruction-set path in turn (those this CPU lacks are skipped), restored afterwards."""
-    if request.param not in _OFFERED:
-        pytest.skip(f"this CPU offers the row-block paths {_OFFERED or 'none'}, not {request.param}")
-    module = row_block._state["module"]
-    before = module.isa()
-    module.set_isa(request.param)
-    yield request.param
-    module.set_isa(before)
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

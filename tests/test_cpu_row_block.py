@@ -22,18 +22,6 @@ _CPU_ISA = None if _UNAVAILABLE else row_block._state["module"].cpu_isa()
 _OFFERED = () if _CPU_ISA is None else row_block.ISAS[:row_block.ISAS.index(_CPU_ISA) + 1]
 
 
-@pytest.fixture(params=row_block.ISAS)
-def isa(request):
-    """Each instruction-set path in turn (those this CPU lacks are skipped), restored afterwards."""
-    if request.param not in _OFFERED:
-        pytest.skip(f"this CPU offers the row-block paths {_OFFERED or 'none'}, not {request.param}")
-    module = row_block._state["module"]
-    before = module.isa()
-    module.set_isa(request.param)
-    yield request.param
-    module.set_isa(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_features", [1, 8, 16, 40, 200])
 @pytest.mark.parametrize("in_features", [72, 73])
