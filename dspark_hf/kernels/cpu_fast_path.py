@@ -289,11 +289,13 @@ def _invariant_packing(model: nn.Module, packed_kernel: str | None, packed_min_r
 
 
 def _set_narrow_packing(model: nn.Module, narrow: bool) -> None:
-    """Layers packed before with the other ``narrow`` setting pack again (on first use) with this one."""
+    """Layers packed before with the other ``narrow`` setting take this one; those on the row-block kernel (the
+    only ones it changes) pack again on first use."""
     for module in model.modules():
         if isinstance(module, PackedLinear) and module.__dict__.get(_NARROW_ATTRIBUTE, False) != narrow:
             object.__setattr__(module, _NARROW_ATTRIBUTE, narrow)
-            module.__dict__.pop(_PACKED_ATTRIBUTE, None)
+            if module.__dict__.get(_KERNEL_ATTRIBUTE) == ROW_BLOCK:
+                module.__dict__.pop(_PACKED_ATTRIBUTE, None)
 
 
 def _pack_linear_layers(model: nn.Module, packed_min_rows: int | None, packed_kernel: str | None,

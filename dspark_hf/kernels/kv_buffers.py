@@ -7,7 +7,7 @@ it, and only when the room runs out does a buffer a quarter larger (at least :da
 its place, so the copying is amortised over many appends. The stored numbers are those ``torch.cat`` would
 give; only the strides of the views differ. Users: the target's cache in the lean decoder
 (:mod:`dspark_hf.kernels.cpu_kv_cache`) and the draft's context cache
-(:class:`dspark_hf.model.modeling_dspark.DraftContextCache`).
+(:class:`dspark_hf.model.draft_context_cache.DraftContextCache`).
 
 Positions past a view's end may be overwritten by the next write: a view taken before a cache was cut back and
 kept after it would see them change (no code in transformers or dspark_hf does this).
@@ -78,4 +78,4 @@ def append_pair(stored: tuple[torch.Tensor | None, torch.Tensor | None],
     return (keys, values), (key_buffer, value_buffer)
 
 
-__all__ = ["SPARE_TOKENS", "append_pair", "is_leading_view", "joinable", "stored_length", "write_behind"]
+__all__ = ["SPARE_TOKENS", "append_pair", "joinable", "write_behind"]
