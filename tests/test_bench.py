@@ -163,3 +163,24 @@ def test_default_datasets_are_those_in_the_prompt_folder(tmp_path):
     assert args.datasets == ["gsm8k", "humaneval", "mt-bench", "copy-heavy"]
     with pytest.raises(SystemExit):
         bench.resolve_datasets(parser.parse_args(["--prompt-dir", str(tmp_path / "none")]), parser)
+
+
+def test_bench_runs_a_base_model_on_plain_text_prompts(tmp_path):
+    """No chat template (a base model): the prompts are the questions as plain text."""
+    words = [f"w{i}" for i in range(40)]
+    target = random_target("llama", vocab_size=48, num_layers=2, context_scale=0.3)
+    target_dir, dspark_dir = tmp_path / "target", tmp_path / "dspark"
+    target.save_pretrained(target_dir)
+    tokenizer = tiny_tokenizer(words)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(target_dir)
+    DSparkDraftModel.from_target(target, block_size=4, markov_rank=8).save_pretrained(dspark_dir)
+    prompt_dir = tmp_path / "prompts"
+    prompt_dir.mkdir()
+    (prompt_dir / "gsm8k.jsonl").write_text(json.dumps({"turns": ["w1 w2 w3 w4"]}) + "\n")
+    result = bench.main(["--quick", "--target", str(target_dir), "--dspark", str(dspark_dir), "--dflash", "none",
+                         "--prompt-dir", str(prompt_dir), "--datasets", "gsm8k", "--methods", "dspark-scheduler",
+                         "--max-new-tokens", "8", "--modes", "greedy", "--out", str(tmp_path / "out")])
+    rows = {row["method"]: row for row in result["summary"]}
+    assert rows["dspark-scheduler"]["identical_to_target"] is True and rows["dspark-scheduler"]["new_tokens"] > 0
+    assert result["runs"][0]["error"] is None

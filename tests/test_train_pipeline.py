@@ -46,6 +46,9 @@ TINY = ["--num-prompts", "12", "--max-new-tokens", "10", "--shard-size", "4", "-
         "--max-steps", "4", "--batch-size", "4", "--block-size", "4", "--markov-rank", "8", "--held-out", "4",
         "--warmup-steps", "2", "--max-seq-len", "48", "--save-every", "2", "--log-every", "2",
         "--anchors-per-sequence", "4", "--no-progress", "--threads", "1"]
+# The default run adds the CPU fast path on the target and the final measurement; most tests leave them out
+# (kernel timing per test) and test_the_default_run_plans_its_budget_and_measures_the_draft covers them.
+FAST = ["--no-prepare-target", "--no-measure"]
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +83,7 @@ def _prompts_file(path: Path, count: int = 16) -> Path:
 def _train(tmp_path: Path, target: Path, output: str, *extra: str) -> Path:
     out = tmp_path / output
     train_cli.main(["--target", str(target), "--prompts", str(_prompts_file(tmp_path / "prompts.jsonl")),
-                    "--output", str(out), "--data-dir", str(tmp_path / "data"), *TINY, *extra])
+                    "--output", str(out), "--data-dir", str(tmp_path / "data"), *TINY, *FAST, *extra])
     return out
 
 
@@ -97,7 +100,7 @@ def test_trains_end_to_end_and_the_draft_is_lossless(tmp_path, family):
                  "stages.json", "export/hf/config.json"):
         assert (out / name).exists(), name
     stages = [s["stage"] for s in json.loads((out / "stages.json").read_text())[-1]["stages"]]
-    assert stages == ["target", "answers", "features", "training", "calibration", "card and export"]
+    assert stages == ["setup", "answers", "features", "training", "calibration", "card and export"]
 
     loaded = resolve_target(str(target_dir))
     records = load_onpolicy_corpus(tmp_path / "data")
@@ -152,15 +155,26 @@ def test_feature_mode_choice():
 def test_time_budget_stops_cleanly_and_resume_equals_an_uninterrupted_run(tmp_path):
     target = _save_target(tmp_path / "target")
     whole = _train(tmp_path, target, "whole", "--features", "cached")
-    # a budget already spent when training starts: one step, a checkpoint, the draft saved
-    cut = _train(tmp_path, target, "cut", "--features", "cached", "--max-time", "0.001")
+    # a budget already spent when training starts: one step, a checkpoint, the draft saved (on the answers made
+    # above: with prompts to answer, a budget this short is refused before any work, as the next test shows)
+    cut = _train(tmp_path, target, "cut", "--features", "cached", "--max-time", "0.001", "--corpus",
+                 str(tmp_path / "data"))
     progress = json.loads((cut / "training_progress.json").read_text())
     assert progress == {"steps_done": 1, "max_steps": 4, "stopped_by_time_budget": True, "processes": 1}
     assert json.loads((cut / "checkpoint" / "step.json").read_text()) == {"step": 1}
     assert (cut / "model.safetensors").exists()
-    resumed = _train(tmp_path, target, "cut", "--features", "cached", "--resume")
+    resumed = _train(tmp_path, target, "cut", "--features", "cached", "--resume", "--corpus", str(tmp_path / "data"))
     a, b = _weights(whole), _weights(resumed)
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_budget_too_short_for_the_data_is_refused_before_any_answer(tmp_path, capsys):
+    target = _save_target(tmp_path / "target")
+    with pytest.raises(SystemExit):
+        _train(tmp_path, target, "short", "--max-time", "0.001")
+    error = capsys.readouterr().err
+    assert "is too short for this target on this machine" in error and "Give at least --max-time" in error
+    assert not list((tmp_path / "data").glob("shard-*"))  # nothing was answered
 
 
 def test_plan_split_between_processes_has_no_overlap_and_no_loss():
@@ -176,7 +190,7 @@ def test_plan_split_between_processes_has_no_overlap_and_no_loss():
 def test_two_processes_train_the_one_process_draft(tmp_path):
     target = _save_target(tmp_path / "target")
     prompts = _prompts_file(tmp_path / "prompts.jsonl")
-    common = ["--target", str(target), "--prompts", str(prompts), *TINY, "--features", "cached"]
+    common = ["--target", str(target), "--prompts", str(prompts), *TINY, *FAST, "--features", "cached"]
     one = tmp_path / "one"
     train_cli.main([*common, "--output", str(one), "--data-dir", str(tmp_path / "data1"),
                     "--feature-dir", str(tmp_path / "feat1")])
@@ -295,7 +309,7 @@ def test_builtin_plan_is_used_without_a_prompts_file(tmp_path, monkeypatch):
     monkeypatch.setattr(datagen, "load_sources", lambda names, seed=0: [
         Prompt(f"{WORDS[i % 20]} {WORDS[(3 * i) % 20]}", names[i % len(names)]) for i in range(40)])
     out = tmp_path / "draft"
-    train_cli.main(["--target", str(target), "--output", str(out), *TINY, "--features", "online"])
+    train_cli.main(["--target", str(target), "--output", str(out), *TINY, *FAST, "--features", "online"])
     folders = list((tmp_path / "cache" / "answers").iterdir())
     config = json.loads((folders[0] / "config.json").read_text())
     assert config["sources"] == list(SOURCES) and config["num_prompts"] == 40

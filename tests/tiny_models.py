@@ -136,3 +136,30 @@ def reload_half_on_disk(model, folder: Path):
     model.save_pretrained(folder / "target")
     return AutoModelForCausalLM.from_pretrained(folder / "target", device_map=HALF_ON_DISK,
                                                 offload_folder=str(folder / "offload"))
+
+
+def gemma_like_target(vocab_size: int = 40_000, hidden_size: int = 32, num_layers: int = 4, *,
+                      activation_scale: float = 1e6, seed: int = 0, eos_token_id: int = 1):
+    """A tiny Gemma 3 text model with the properties real families have and SmolLM2 lacks: a large
+    vocabulary (above the reduced-draft-vocabulary threshold), norms stored as offsets (``1 + w``),
+    embeddings scaled by ``sqrt(hidden)``, sliding-window layers beside a global one, tied embeddings,
+    and a residual stream beyond float16's range: as in real models, a large norm weight (here the
+    first layer's post-MLP norm, ``1 + w = activation_scale``) writes values near 1e5 into the residual
+    stream, and the final norm brings the logits back to a normal range."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                              num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=1,
+                              head_dim=hidden_size // 4, sliding_window=8, query_pre_attn_scalar=hidden_size // 4,
+                              max_position_embeddings=512, bos_token_id=0, eos_token_id=eos_token_id,
+                              pad_token_id=None, tie_word_embeddings=True,
+                              layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"])
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for module in model.modules():  # offsets away from 0, so the 1 + w convention matters
+            if type(module).__name__ == "Gemma3RMSNorm":
+                module.weight.uniform_(-0.5, 0.5)
+        model.model.layers[0].post_feedforward_layernorm.weight.fill_(activation_scale - 1.0)
+        model.get_input_embeddings().weight.mul_(30.0)  # peaked next-token distributions, as trained models have
+    return model.eval()

@@ -266,6 +266,11 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         dtype = target.get_input_embeddings().weight.dtype
         draft.to(device=target.get_input_embeddings().weight.device, dtype=dtype)
         if copy_embeddings:
+            if type(target.get_input_embeddings()) is not nn.Embedding:  # e.g. Gemma's scales by sqrt(hidden)
+                raise ValueError(
+                    f"copy_embeddings=True: the target's embedding is a {type(target.get_input_embeddings()).__name__}, "
+                    "whose forward is more than a table lookup; a copied table would change the draft's inputs. "
+                    "Leave copy_embeddings off so the draft borrows the target's embedding module.")
             draft.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.data)
             draft.lm_head.weight.data.copy_(target.get_output_embeddings().weight.data)
         else:

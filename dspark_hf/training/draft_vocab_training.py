@@ -86,6 +86,34 @@ def select_draft_vocab(counts: torch.LongTensor, size: int, required_ids: Sequen
     return torch.nonzero(chosen).flatten()
 
 
+LARGE_VOCAB = 32768  # above this, a fresh draft gets a reduced vocabulary by default
+AUTO_SIZES = (8192, 16384, 32768)
+AUTO_COVERAGE = 0.98
+
+
+def auto_draft_vocab_size(records: Sequence[dict], vocab_size: int,
+                          required_ids: Sequence[int] = ()) -> tuple[int | None, str]:
+    """(N, why): the draft vocabulary size a run uses when none was asked for.
+
+    None (the full vocabulary) up to :data:`LARGE_VOCAB` ids. Above it, the smallest of
+    :data:`AUTO_SIZES` whose ids, chosen on the even-numbered answers, hold :data:`AUTO_COVERAGE` of
+    the odd-numbered answers' tokens (a held-out estimate: coverage of the answers the ids were chosen
+    on overstates it), else the largest. The draft borrows the target's LM head at every block
+    position, so its rows are most of a large-vocabulary draft's cost.
+    """
+    if vocab_size <= LARGE_VOCAB:
+        return None, f"the target's {vocab_size:,} ids are few enough to draft over all of them"
+    fit, check = answer_tokens(records[0::2]), answer_tokens(records[1::2])
+    counts = token_counts(fit, vocab_size)
+    for size in AUTO_SIZES:
+        held = coverage(select_draft_vocab(counts, size, required_ids), check)
+        if held >= AUTO_COVERAGE or size == AUTO_SIZES[-1]:
+            break
+    return size, (f"the target has {vocab_size:,} ids; {size:,} chosen on half the answers hold {held:.1%} of the "
+                  f"other half's tokens (the smallest of {', '.join(map(str, AUTO_SIZES))} reaching "
+                  f"{AUTO_COVERAGE:.0%}, else the largest)")
+
+
 def coverage(ids: torch.LongTensor, tokens: torch.LongTensor) -> float:
     """Share of ``tokens`` inside ``ids``."""
     if tokens.numel() == 0:
@@ -193,5 +221,5 @@ def reduced_vocab_loss(
     }
 
 
-__all__ = ["COVERAGE_SIZES", "add_target_lse", "answer_tokens", "coverage", "coverage_table", "ensure_target_lse",
+__all__ = ["AUTO_COVERAGE", "AUTO_SIZES", "COVERAGE_SIZES", "LARGE_VOCAB", "add_target_lse", "answer_tokens", "auto_draft_vocab_size", "coverage", "coverage_table", "ensure_target_lse",
            "reduced_vocab_loss", "select_draft_vocab", "special_token_ids", "target_subset_logits", "token_counts"]

@@ -5,13 +5,14 @@ context the draft reads) and its final hidden state (whose LM-head projection is
 the draft learns). Two ways to have them, chosen by ``--features``:
 
 * ``cached``: computed once per sequence and stored, ``(layers + 1) x hidden`` values per token in
-  half precision. SmolLM2-135M (hidden 576, 3 layers) costs 4.6 KB per token; a target of hidden
+  16 bits (float16 when the values leave it headroom, else bfloat16: :func:`choose_feature_dtype`). SmolLM2-135M (hidden 576, 3 layers) costs 4.6 KB per token; a target of hidden
   4,096 with 5 tapped layers ~49 KB, so 10,000 answers of 300 tokens need ~150 GB.
 * ``online``: no disk; every training sequence costs one more target forward when the step draws it.
 
 Both give the draft the same numbers: an online item is computed by the same function, one sequence
-per forward as for the cache, and rounded to the same half precision, so a seed trains the identical
-draft either way (tests/test_train_pipeline.py). ``auto`` caches when the estimate fits under
+per forward as for the cache, and rounded to the same dtype, so a seed trains the identical
+draft either way (tests/test_train_pipeline.py). Every value is checked when it is written: an inf or
+NaN stops the run naming the layer and the fix, instead of training on it. ``auto`` caches when the estimate fits under
 ``--max-feature-cache-gb`` and the free disk, else goes online; it logs both costs.
 
 The cache is a folder of chunks, one per answer shard of records (``chunk-NNNNN-<hash>.pt``). The
@@ -45,22 +46,79 @@ FEATURE_FORMAT = 1
 FEATURE_MODES = ("auto", "cached", "online")
 
 
+FEATURE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# A float16 cache is chosen only when the probe's largest value, times this, still fits float16: text
+# the probe did not see can push a residual stream higher (SmolLM2-135M reaches 22,500 of 65,504).
+FLOAT16_HEADROOM = 2.0
+
+
 def feature_dtype(target: PreTrainedModel) -> torch.dtype:
-    """Half precision for stored features: bfloat16 for a bfloat16 target (whose activations may exceed
-    float16's range), float16 otherwise (as the shipped SmolLM2 drafts were trained)."""
-    return torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float16
+    """The stored features' dtype when nothing was decided from values (:func:`choose_feature_dtype`):
+    float16 for a float16 target (its activations are float16 already), bfloat16 otherwise (it holds
+    float32's range, which real families' residual streams use)."""
+    return torch.float16 if target.dtype == torch.float16 else torch.bfloat16
+
+
+@torch.no_grad()
+def choose_feature_dtype(target: PreTrainedModel, records: list[dict], layer_ids: list[int], max_seq_len: int,
+                         requested: str = "auto", probe_records: int = 4) -> tuple[torch.dtype, str]:
+    """(dtype of the feature cache, why): ``requested`` unless ``auto``; ``auto`` keeps a float16
+    target's float16 and otherwise probes the first ``probe_records`` records: float16 (the finer
+    16-bit type) when the largest stored value times :data:`FLOAT16_HEADROOM` fits it, else bfloat16.
+    A value the probe missed is caught when it is written (:func:`target_features`)."""
+    if requested not in FEATURE_DTYPES:
+        raise ValueError(f"--feature-dtype {requested!r} is not one of {', '.join(FEATURE_DTYPES)}.")
+    if requested != "auto":
+        return getattr(torch, requested), f"--feature-dtype {requested}"
+    if target.dtype == torch.float16:
+        return torch.float16, "the target computes in float16"
+    if target.dtype == torch.bfloat16:
+        return torch.bfloat16, "the target computes in bfloat16"
+    largest = 0.0
+    for record in records[:probe_records]:
+        context, final = target_features(target, record_ids(record, max_seq_len), layer_ids, dtype=target.dtype)
+        largest = max(largest, float(context.abs().max()), float(final.abs().max()))
+    limit = torch.finfo(torch.float16).max
+    if largest * FLOAT16_HEADROOM <= limit:
+        return torch.float16, f"the largest probed value, {largest:,.0f}, leaves float16 {FLOAT16_HEADROOM:g}x headroom"
+    return torch.bfloat16, f"the largest probed value, {largest:,.0f}, is too close to or beyond float16's {limit:,.0f}"
+
+
+class NonFiniteFeatureError(ValueError):
+    """A target feature is inf or NaN: in the target itself, or after rounding to the cache's dtype."""
+
+
+def _check_finite(values: torch.Tensor, stored: torch.Tensor, where: str, dtype: torch.dtype) -> None:
+    """Raises :class:`NonFiniteFeatureError` naming ``where`` when ``values`` or their stored copy is not finite."""
+    if not bool(torch.isfinite(values).all()):
+        raise NonFiniteFeatureError(
+            f"The target's {where} holds inf or NaN in {values.dtype} itself: the target overflows. Load it in "
+            "float32 (--dtype float32).")
+    if not bool(torch.isfinite(stored).all()):
+        largest = float(values.abs().max())
+        raise NonFiniteFeatureError(
+            f"The target's {where} reaches {largest:,.0f}, beyond {dtype}'s range, so its stored feature is inf. "
+            "Store features in bfloat16 (--feature-dtype bfloat16, or the default auto on a fresh --feature-dir).")
 
 
 @torch.no_grad()
 def target_features(target: PreTrainedModel, input_ids: torch.LongTensor, layer_ids: list[int], *,
-                    dtype: torch.dtype = torch.float16, device: torch.device | str | None = "cpu"):
+                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = "cpu"):
     """(context features (L, m*d), final hidden (L, d)) of one sequence, in ``dtype`` on ``device``
-    (None: the target's device)."""
+    (None: the target's device). Raises :class:`NonFiniteFeatureError`, naming the layer and the
+    fix, when a value is not finite in the target or in ``dtype``."""
     out = target.base_model(input_ids=input_ids[None].to(target.device), output_hidden_states=True)
     hidden = out.hidden_states
-    context = torch.cat([hidden[i][0] for i in hidden_state_indices(layer_ids)], dim=-1)
+    parts = []
+    for layer_id, index in zip(layer_ids, hidden_state_indices(layer_ids)):
+        stored = hidden[index][0].to(dtype)
+        _check_finite(hidden[index][0], stored, f"layer {layer_id} output (hidden_states[{index}])", dtype)
+        parts.append(stored)
+    final = out.last_hidden_state[0]
+    final_stored = final.to(dtype)
+    _check_finite(final, final_stored, "final hidden state (after its last norm)", dtype)
     device = target.device if device is None else device
-    return context.to(dtype).to(device), out.last_hidden_state[0].to(dtype).to(device)
+    return torch.cat(parts, dim=-1).to(device), final_stored.to(device)
 
 
 def record_ids(record: dict, max_seq_len: int) -> torch.LongTensor:
@@ -69,7 +127,7 @@ def record_ids(record: dict, max_seq_len: int) -> torch.LongTensor:
 
 
 def make_item(target: PreTrainedModel, record: dict, layer_ids: list[int], max_seq_len: int, *,
-              dtype: torch.dtype = torch.float16, device: torch.device | str | None = "cpu") -> dict:
+              dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = "cpu") -> dict:
     """One training item: ``ids``, ``answer_start``, ``context`` and ``final`` features."""
     ids = record_ids(record, max_seq_len)
     context, final = target_features(target, ids, layer_ids, dtype=dtype, device=device)
@@ -223,18 +281,22 @@ def _lse_path(path: Path) -> Path:
 
 def build_feature_chunks(target: PreTrainedModel, records: list[dict], layer_ids: list[int], folder: str | Path,
                          max_seq_len: int, chunk_size: int, *, ranks: Ranks | None = None, head: nn.Module | None = None,
-                         show_progress: bool = True) -> list[Path]:
+                         dtype: torch.dtype | None = None, show_progress: bool = True,
+                         deadline: float | None = None) -> list[Path]:
     """Computes this process's missing chunks of the feature cache of ``records`` in ``folder``.
 
     Chunk ``k`` holds records ``[k * chunk_size, (k + 1) * chunk_size)`` and belongs to process
     ``k mod world_size``. With ``head`` each chunk also gets its target log-normalisers in a
     companion ``.lse.pt`` file (made on demand, so switching to a reduced vocabulary keeps the
-    features). Every process waits for the others before returning the paths of all chunks.
+    features). ``dtype`` (default :func:`feature_dtype`) is the stored dtype; a value it cannot hold
+    stops the run (:class:`NonFiniteFeatureError`). ``deadline`` (a ``time.monotonic()`` value) stops
+    after the chunk that ends past it. Every process waits for the others before returning the paths
+    of the chunks that exist (all of them unless the deadline cut the stage).
     """
     ranks = ranks or Ranks()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    dtype = feature_dtype(target)
+    dtype = dtype or feature_dtype(target)
     paths = chunk_paths(folder, records, layer_ids, max_seq_len, chunk_size, dtype)
     chunks = _chunks(records, chunk_size)
     mine = [k for k in ranks.share(len(chunks))
@@ -254,9 +316,13 @@ def build_feature_chunks(target: PreTrainedModel, records: list[dict], layer_ids
             add_target_lse(items, head, show_progress=False)  # the chunk bar above counts this work
             atomic_torch_save([item["target_lse"] for item in items], _lse_path(path))
         progress.update(len(chunks[k]))
+        if deadline is not None and time.monotonic() >= deadline:
+            logger.warning(f"Features: the stage's time share is spent after chunk {k}; training uses the chunks "
+                           "written so far (the rest are made by a later run).")
+            break
     progress.close()
     ranks.barrier()
-    return paths
+    return [path for path in paths if path.exists() and (head is None or _lse_path(path).exists())]
 
 
 def load_feature_chunks(paths: list[Path], *, with_target_lse: bool = False) -> ListFeatures:
@@ -320,7 +386,8 @@ def choose_feature_mode(mode: str, needed_bytes: int, budget_bytes: float, free_
                       f"and the free disk ({free_bytes / 1e9:.1f} GB)")
 
 
-__all__ = ["FEATURE_MODES", "FeatureSource", "ListFeatures", "OnlineFeatures", "as_feature_source", "build_feature_cache",
-           "build_feature_chunks", "bytes_per_token", "cache_estimate", "choose_feature_mode", "chunk_paths",
+__all__ = ["FEATURE_DTYPES", "FEATURE_MODES", "FLOAT16_HEADROOM", "FeatureSource", "ListFeatures",
+           "NonFiniteFeatureError", "OnlineFeatures", "as_feature_source", "build_feature_cache", "build_feature_chunks",
+           "bytes_per_token", "cache_estimate", "choose_feature_dtype", "choose_feature_mode", "chunk_paths",
            "feature_dtype", "forward_seconds_per_token", "free_disk_bytes", "load_feature_chunks", "make_item",
            "record_ids", "target_features"]

@@ -20,6 +20,7 @@ what they share. Each stage's wall time goes to ``OUTPUT/stages.json``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging as std_logging
@@ -36,13 +37,18 @@ from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
 from ..chat_text import has_chat_template
+from ..kernels.cpu_fast_path import optimize_for_cpu
 from ..model.modeling_dspark import DSparkDraftModel, default_target_layer_ids
+from .budget import StagePlan, measure_target, plan_stages
 from .calibration import calibrate_draft
 from .data import load_corpus, sharegpt_reference_answers
-from .datagen import FORMAT_VERSION, load_onpolicy_corpus, load_plan, prepare_folder, remove_stale_temporaries, run_datagen
+from .datagen import (FORMAT_VERSION, load_onpolicy_corpus, load_plan, plan_item_ids, prepare_folder,
+                      remove_stale_temporaries, run_datagen)
 from .distributed import Ranks, atomic_write_json
-from .features import (FeatureSource, OnlineFeatures, build_feature_chunks, cache_estimate, choose_feature_mode,
-                       chunk_paths, feature_dtype, forward_seconds_per_token, free_disk_bytes, load_feature_chunks)
+from .draft_vocab_training import auto_draft_vocab_size, special_token_ids
+from .features import (FeatureSource, OnlineFeatures, build_feature_chunks, cache_estimate, choose_feature_dtype,
+                       choose_feature_mode, chunk_paths, forward_seconds_per_token, free_disk_bytes, load_feature_chunks)
+from .final_measurement import describe, held_out_prompts, measure_draft
 from .prompts import BUILTIN_SOURCES, file_source_name, read_prompts_file
 from .target_loading import LoadedTarget, check_target_head, parse_dtype, resolve_target, target_head
 from .trainer import TrainingConfig, train
@@ -77,6 +83,11 @@ class PipelineOptions:
     device: str | None = None
     threads: int | None = None
     max_time: float | None = None
+    feature_dtype: str = "auto"
+    prepare_target: bool = True  # optimize_for_cpu on the CPU: faster answers, features and measurement
+    fit_steps: bool = False  # size max_steps (and the schedule) to the training stage's time
+    auto_draft_vocab: bool = False  # a reduced draft vocabulary for a large-vocabulary target (draft_vocab_size None)
+    measure: bool = True  # end with the greedy measurement on held-out prompts
     prepare_only: bool = False
     resume: bool = False
     fp16: bool = False
@@ -97,6 +108,7 @@ class StageClock:
 
     def __init__(self, output: Path | None, ranks: Ranks):
         self.output, self.ranks, self.stages = output, ranks, []
+        self.plan: dict | None = None  # the budget's plan (budget.StagePlan.as_json), written beside the stages
 
     @contextmanager
     def __call__(self, name: str):
@@ -113,6 +125,8 @@ class StageClock:
                     runs.append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "processes": self.ranks.world_size,
                                  "stages": []})
                 runs[-1]["stages"] = self.stages
+                if self.plan is not None:
+                    runs[-1]["plan"] = self.plan
                 atomic_write_json(path, runs)
 
     def finish(self) -> None:
@@ -164,13 +178,20 @@ def check_export_formats(formats) -> None:
 
 
 # ---------------------------------------------------------------------------------- answers
-def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks) -> tuple[list[dict], dict]:
-    """The on-policy records (and reference answers), and what the card says about them."""
+@dataclass
+class AnswerPlan:
+    """Where the answers go and the prompts they answer (``folder`` None with ``--corpus``)."""
+
+    folder: Path | None
+    plan: list[dict]
+    config: dict
+
+
+def _answer_plan(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks) -> AnswerPlan:
+    """The data folder with its prompt plan, made (main process) or read."""
     tokenizer = loaded.tokenizer
-    if opts.corpus:  # a finished data folder: its shards as they are, nothing generated
-        records = load_onpolicy_corpus(opts.corpus)[: opts.max_sequences]
-        facts = {"data": f"{len(records)} answers of the target from {opts.corpus}"}
-        return records + _reference(opts, tokenizer, [p["text"] for p in load_plan(opts.corpus)], ranks), facts
+    if opts.corpus:
+        return AnswerPlan(None, load_plan(opts.corpus), {})
     prompts = read_prompts_file(opts.prompts) if opts.prompts else None
     config = {"model": loaded.name, "sources": [file_source_name(opts.prompts)] if opts.prompts else list(opts.sources),
               "seed": opts.seed, "max_prompt_tokens": opts.max_prompt_tokens, "max_new_tokens": opts.max_new_tokens,
@@ -185,8 +206,21 @@ def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks) -> tuple
             raise ValueError(f"{error} (--data-dir)") from None
         remove_stale_temporaries(folder)  # before any process writes its shards
     ranks.barrier()
-    plan = load_plan(folder)
-    wanted = opts.num_prompts or (len(plan) if opts.prompts else BUILTIN_DEFAULT_PROMPTS)
+    return AnswerPlan(folder, load_plan(folder), config)
+
+
+def _wanted_prompts(opts: PipelineOptions, plan: list[dict]) -> int:
+    return opts.num_prompts or (len(plan) if opts.prompts else BUILTIN_DEFAULT_PROMPTS)
+
+
+def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks, answer_plan: AnswerPlan, wanted: int,
+             deadline: float | None = None) -> tuple[list[dict], dict]:
+    """The on-policy records (and reference answers), and what the card says about them."""
+    tokenizer, plan, folder, config = loaded.tokenizer, answer_plan.plan, answer_plan.folder, answer_plan.config
+    if opts.corpus:  # a finished data folder: its shards as they are, nothing generated
+        records = load_onpolicy_corpus(opts.corpus)[: opts.max_sequences]
+        facts = {"data": f"{len(records)} answers of the target from {opts.corpus}"}
+        return records + _reference(opts, tokenizer, [p["text"] for p in plan], ranks), facts
     count = min(wanted, len(plan))
     if count < wanted:
         logger.warning(f"Answers: {wanted} prompts asked for, the plan holds {count} (prompts longer than "
@@ -196,12 +230,15 @@ def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks) -> tuple
     logger.warning(f"Answers: {count} prompts ({config['prompt_format']}) in {folder}, "
                    f"{ranks.world_size} process(es) sharing {math.ceil(whole / opts.shard_size)} shard(s).")
     run_datagen(loaded.model, tokenizer, folder, plan, {**config, "format_version": FORMAT_VERSION}, max_prompts=whole,
-                show_progress=opts.show_progress and ranks.is_main, rank=ranks.rank, world_size=ranks.world_size)
+                show_progress=opts.show_progress and ranks.is_main, rank=ranks.rank, world_size=ranks.world_size,
+                deadline=deadline)
     ranks.barrier()
     records = load_onpolicy_corpus(folder)[:count]
+    if len(records) < count:
+        logger.warning(f"Answers: {len(records)} of {count} prompts answered within the stage's time share.")
     source = f"prompts of {Path(opts.prompts).name}" if opts.prompts else "prompts of the built-in plan"
-    facts = {"data": f"{count} {source} answered by the target ({config['prompt_format']}; even-numbered greedy, "
-                     f"odd sampled at temperature 1), at most {opts.max_new_tokens} new tokens"}
+    facts = {"data": f"{len(records)} {source} answered by the target ({config['prompt_format']}; even-numbered "
+                     f"greedy, odd sampled at temperature 1), at most {opts.max_new_tokens} new tokens"}
     return records + _reference(opts, tokenizer, [p["text"] for p in plan], ranks, folder), facts
 
 
@@ -229,15 +266,17 @@ def _feature_folder(opts: PipelineOptions, loaded: LoadedTarget) -> Path:
 
 
 def _features(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, records: list[dict],
-              ranks: Ranks) -> tuple[FeatureSource, str]:
+              ranks: Ranks, deadline: float | None = None) -> tuple[FeatureSource, str]:
     target = loaded.model
     with_lse = bool(cfg.draft_vocab_size)
     hidden = target.config.get_text_config().hidden_size
     estimate = cache_estimate(records, cfg.target_layer_ids, hidden, cfg.max_seq_len, with_target_lse=with_lse)
     folder = _feature_folder(opts, loaded)
-    paths = chunk_paths(folder, records, cfg.target_layer_ids, cfg.max_seq_len, opts.shard_size, feature_dtype(target))
     decision = None
     if ranks.is_main:
+        dtype, dtype_why = choose_feature_dtype(target, records, cfg.target_layer_ids, cfg.max_seq_len,
+                                                opts.feature_dtype)
+        paths = chunk_paths(folder, records, cfg.target_layer_ids, cfg.max_seq_len, opts.shard_size, dtype)
         on_disk = sum(p.stat().st_size for p in paths if p.exists())
         needed = max(0, estimate["bytes"] - on_disk)
         mode, why = choose_feature_mode(opts.features, needed, opts.max_feature_cache_gb * 1e9, free_disk_bytes(folder))
@@ -246,20 +285,22 @@ def _features(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, 
         online_forwards = cfg.max_steps * cfg.sequences_per_step
         logger.warning(
             f"Features for {len(records)} sequences, {estimate['tokens']:,} tokens "
-            f"({len(cfg.target_layer_ids)} layers + the final hidden state, width {hidden}). "
-            f"Cached: {estimate['bytes'] / 1e9:.3f} GB on disk ({estimate['bytes_per_token'] / 1e3:.1f} KB per token; "
-            f"{on_disk / 1e9:.3f} GB already there) and ~{estimate['tokens'] * seconds_per_token:.0f} s of target "
-            f"forwards once. Online: no disk, ~{online_forwards * mean_tokens * seconds_per_token:.0f} s of target "
-            f"forwards over {cfg.max_steps} steps x {cfg.sequences_per_step} sequences (measured "
-            f"{seconds_per_token * 1e3:.3f} ms per token). Using {mode}: {why}.")
-        decision = (mode, why)
-    mode, _ = ranks.broadcast(decision)
+            f"({len(cfg.target_layer_ids)} layers + the final hidden state, width {hidden}), stored in {dtype} "
+            f"({dtype_why}). Cached: {estimate['bytes'] / 1e9:.3f} GB on disk "
+            f"({estimate['bytes_per_token'] / 1e3:.1f} KB per token; {on_disk / 1e9:.3f} GB already there) and "
+            f"~{estimate['tokens'] * seconds_per_token:.0f} s of target forwards once. Online: no disk, "
+            f"~{online_forwards * mean_tokens * seconds_per_token:.0f} s of target forwards over {cfg.max_steps} steps "
+            f"x {cfg.sequences_per_step} sequences (measured {seconds_per_token * 1e3:.3f} ms per token). "
+            f"Using {mode}: {why}.")
+        decision = (mode, str(dtype).removeprefix("torch."))
+    mode, dtype_name = ranks.broadcast(decision)
+    dtype = getattr(torch, dtype_name)
+    head = target_head(target) if with_lse else None
     if mode == "online":
-        return OnlineFeatures(target, records, cfg.target_layer_ids, cfg.max_seq_len,
-                              head=target_head(target) if with_lse else None), mode
-    build_feature_chunks(target, records, cfg.target_layer_ids, folder, cfg.max_seq_len, opts.shard_size, ranks=ranks,
-                         head=target_head(target) if with_lse else None,
-                         show_progress=opts.show_progress)
+        return OnlineFeatures(target, records, cfg.target_layer_ids, cfg.max_seq_len, head=head, dtype=dtype), mode
+    paths = build_feature_chunks(target, records, cfg.target_layer_ids, folder, cfg.max_seq_len, opts.shard_size,
+                                 ranks=ranks, head=head, dtype=dtype, show_progress=opts.show_progress,
+                                 deadline=deadline)
     return load_feature_chunks(paths, with_target_lse=with_lse), mode
 
 
@@ -267,8 +308,10 @@ def _features(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, 
 def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel | None:
     """Runs every stage (see the module docstring) and returns the trained draft (None with ``prepare_only``).
 
-    ``cfg`` is completed here: ``seed`` from ``opts``, the target's layers and, for a preset, its
-    mask token. Raises ``ValueError`` naming the problem and the fix for bad inputs.
+    ``cfg`` is completed here: ``seed`` from ``opts``, the target's layers, for a preset its mask
+    token, a reduced draft vocabulary for a large-vocabulary target when none was asked for, and with
+    ``opts.fit_steps`` the steps that fit the budget. Raises ``ValueError`` naming the problem and the
+    fix for bad inputs.
     """
     started = time.monotonic()
     if not opts.prepare_only and not opts.output:
@@ -286,39 +329,62 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
     if not ranks.is_main:  # one process tells the story; the others speak only of errors
         std_logging.getLogger("dspark_hf").setLevel(std_logging.ERROR)
     clock = StageClock(output, ranks)
-    with clock("target"):
+    with clock("setup"):
         loaded = resolve_target(opts.target, dtype=parse_dtype(opts.dtype), device=device)
         target = loaded.model
         vocab = target.config.get_text_config().vocab_size
         check_target_head(target, [(i * 7 + 1) % vocab for i in range(16)], opts.target)
-    accelerator = _accelerator(opts, target.dtype)
-    cfg.seed = opts.seed
-    if cfg.mask_token_id is None:
-        cfg.mask_token_id = loaded.mask_token_id
-    if cfg.target_layer_ids is None:
-        cfg.target_layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers,
-                                                        cfg.num_hidden_layers)
+        if opts.prepare_target and target.device.type == "cpu":
+            optimize_for_cpu(target)  # same distribution within rounding; kernels chosen by timing (docs/training.md)
+        accelerator = _accelerator(opts, target.dtype)
+        cfg.seed = opts.seed
+        if cfg.mask_token_id is None:
+            cfg.mask_token_id = loaded.mask_token_id
+        if cfg.target_layer_ids is None:
+            cfg.target_layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers,
+                                                            cfg.num_hidden_layers)
+        answer_plan = _answer_plan(opts, loaded, ranks)
+        wanted = _wanted_prompts(opts, answer_plan.plan)
+        plan = None
+        if opts.max_time and not opts.corpus:
+            plan = ranks.broadcast(_plan(opts, cfg, loaded, answer_plan, started) if ranks.is_main else None)
+            wanted = opts.num_prompts or plan.prompts
+            clock.plan = plan.as_json()
+            if ranks.is_main:
+                logger.warning(plan.describe())
+
+    def deadline(stage: str) -> float | None:
+        return plan.deadline(started, stage) if plan is not None else None
+
     with clock("answers"):
-        records, data_facts = _answers(opts, loaded, ranks)
+        records, data_facts = _answers(opts, loaded, ranks, answer_plan, wanted, deadline("answers"))
     # held out with or without a confidence head, so a DSpark and a DFlash run on one corpus train on the same data
     held = cfg.held_out_sequences
     if len(records) <= held:
         raise ValueError(f"{len(records)} training sequences and {held} held out for calibration leave none to train "
-                         "on; answer more prompts (--num-prompts) or hold out fewer (--held-out).")
+                         "on; answer more prompts (--num-prompts, a longer --max-time) or hold out fewer (--held-out).")
+    if opts.auto_draft_vocab and cfg.draft_vocab_size is None and not cfg.init_from_draft:
+        cfg.draft_vocab_size, why = auto_draft_vocab_size(records[held:], vocab, special_token_ids(
+            target, cfg.mask_token_id))
+        if ranks.is_main:
+            logger.warning(f"Draft vocabulary: {'all ids' if cfg.draft_vocab_size is None else cfg.draft_vocab_size} "
+                           f"({why}; --draft-vocab-size sets it).")
     with clock("features"):
-        source, mode = _features(opts, cfg, loaded, records, ranks)
+        source, mode = _features(opts, cfg, loaded, records, ranks, deadline("features"))
     if opts.prepare_only:
         clock.finish()
         return None
-    deadline = started + opts.max_time if opts.max_time else None
+    budget_end = started + opts.max_time if opts.max_time else None
     with clock("training"):
-        draft = train(target, source.subset(range(held, len(records))), cfg, output, resume=opts.resume,
-                      deadline=deadline, accelerator=accelerator, show_progress=opts.show_progress)
+        draft = train(target, source.subset(range(held, len(source))), cfg, output, resume=opts.resume,
+                      deadline=deadline("training") or budget_end, accelerator=accelerator,
+                      show_progress=opts.show_progress, fit_steps_to_deadline=opts.fit_steps and plan is not None)
     if ranks.is_main:
         progress = json.loads((output / "training_progress.json").read_text())
         facts = {"target": loaded.name, "method": "DSpark" if cfg.markov_rank > 0 else "DFlash", **data_facts,
                  "training": f"{progress['steps_done']} of {cfg.max_steps} steps x {cfg.sequences_per_step} sequences, "
                              f"learning rate {cfg.learning_rate}, seed {cfg.seed}, {ranks.world_size} process(es)",
+                 "draft vocabulary": "all ids" if not cfg.draft_vocab_size else f"{cfg.draft_vocab_size} ids",
                  "features": mode,
                  "command": "dspark-hf train (docs/training.md)"}
         with clock("calibration"):
@@ -327,6 +393,14 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
                 facts["calibration"] = (f"STS on {held} held-out answers, mean ECE "
                                         f"{sum(report['ece_before']) / len(report['ece_before']):.3f} -> "
                                         f"{sum(report['ece_after']) / len(report['ece_after']):.3f}")
+        (copy.deepcopy(draft).half() if opts.fp16 else draft).save_pretrained(output)  # kept whatever follows
+        if opts.measure:
+            with clock("measurement"):
+                facts["measured"] = _measure(opts, target, draft, records[:held], plan, output)
+        if opts.fp16:
+            draft.half()
+        if plan is not None:
+            facts["time budget"] = _budget_fact(plan, clock)
         with clock("card and export"):
             _save_card_and_exports(opts, loaded, draft, output, facts)
     ranks.barrier()
@@ -334,13 +408,56 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
     return draft
 
 
+def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answer_plan: AnswerPlan,
+          started: float) -> StagePlan:
+    """Measures the target on a planned prompt and splits ``--max-time`` (:mod:`~dspark_hf.training.budget`)."""
+    plan = answer_plan.plan
+    tokenizer = loaded.tokenizer
+    sample = [plan_item_ids(tokenizer, item) for item in plan[:64]]
+    typical = sorted(sample, key=len)[len(sample) // 2]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # decode steps cost more as the context grows: time them half-way through an answer
+    midway = (typical * (1 + opts.max_new_tokens // max(1, len(typical))))[: len(typical) + opts.max_new_tokens // 2]
+    probe = [{"prompt_ids": typical, "answer_ids": midway[: opts.max_new_tokens]}]
+    costs = measure_target(
+        loaded.model, midway, batch_rows=opts.generation_batch_size, pad_token_id=pad if pad is not None else 0,
+        feature_seconds_per_token=lambda: forward_seconds_per_token(loaded.model, probe, cfg.target_layer_ids,
+                                                                    cfg.max_seq_len, samples=1))
+    return plan_stages(opts.max_time, time.monotonic() - started, costs, max_new_tokens=opts.max_new_tokens,
+                       mean_prompt_tokens=sum(map(len, sample)) / len(sample),
+                       min_prompts=cfg.held_out_sequences + opts.shard_size,
+                       max_prompts=min(len(plan), opts.num_prompts or len(plan)), shard_size=opts.shard_size)
+
+
+def _measure(opts: PipelineOptions, target, draft: DSparkDraftModel, held_out: list[dict], plan: StagePlan | None,
+             output: Path) -> str:
+    """The final measurement (:mod:`~dspark_hf.training.final_measurement`), printed and kept in ``measurement.json``."""
+    per_source = plan.measurement_prompts if plan is not None else 3
+    new_tokens = plan.measurement_new_tokens if plan is not None else min(64, opts.max_new_tokens)
+    prompts = held_out_prompts(held_out, per_source)
+    report = measure_draft(target, draft, prompts, max_new_tokens=new_tokens, prepare=opts.prepare_target,
+                           progress=opts.show_progress)
+    atomic_write_json(output / "measurement.json", report)
+    text = describe(report)
+    logger.warning(text)
+    whole = report["all"]
+    return (f"greedy, {sum(map(len, prompts.values()))} held-out prompts x {new_tokens} tokens on this machine: "
+            f"{whole['speedup']:.2f}x the target alone, {whole['vs_prompt_lookup']:.2f}x prompt lookup, tau "
+            f"{whole['tau']:.2f}, outputs {'identical' if whole['identical'] else 'NOT identical'} "
+            "(measurement.json per source)" if whole["speedup"] and whole["vs_prompt_lookup"] and whole["tau"]
+            else f"the measurement failed: {whole['errors']}")
+
+
+def _budget_fact(plan: StagePlan, clock: StageClock) -> str:
+    actual = {entry["stage"]: entry["seconds"] for entry in clock.stages}
+    parts = [f"{stage} {actual.get(stage, 0) / 60:.1f} of {seconds / 60:.1f} min" for stage, seconds in plan.seconds.items()]
+    return f"--max-time {plan.max_time / 60:.0f} min, actual of planned: " + ", ".join(parts) + " (stages.json)"
+
+
 def _save_card_and_exports(opts: PipelineOptions, loaded: LoadedTarget, draft: DSparkDraftModel, output: Path,
                            facts: dict) -> None:
     from ..hub import export, render_model_card
 
-    if opts.fp16:
-        draft.half()
-    draft.save_pretrained(output)
     (output / "README.md").write_text(render_model_card(output, base_model=loaded.base_model, training=facts),
                                       encoding="utf-8")
     for fmt in opts.export_formats:

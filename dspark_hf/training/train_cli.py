@@ -17,7 +17,7 @@ import re
 
 from transformers.utils import logging
 
-from .features import FEATURE_MODES
+from .features import FEATURE_DTYPES, FEATURE_MODES
 from .pipeline import BUILTIN_DEFAULT_PROMPTS, PipelineOptions, run_pipeline
 from .prompts import BUILTIN_SOURCES
 from .target_loading import PRESETS
@@ -25,6 +25,7 @@ from .trainer import TrainingConfig
 
 logger = logging.get_logger(__name__)
 
+DEFAULT_MAX_STEPS = 800  # without --max-time
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     feats.add_argument("--max-feature-cache-gb", type=float, default=50.0)
     feats.add_argument("--feature-dir", default=None,
                        help="the feature cache (default: a folder under $DSPARK_HF_CACHE/features for the target)")
+    feats.add_argument("--feature-dtype", choices=FEATURE_DTYPES, default="auto",
+                       help="the feature cache's dtype (default auto: float16 when the target's values leave it "
+                            "headroom, else bfloat16)")
     feats.add_argument("--prepare-only", action="store_true", help="stop after the answers and the feature cache")
 
     model = parser.add_argument_group("draft and training")
@@ -95,12 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--no-confidence-head", action="store_true")
     model.add_argument("--block-size", type=int, default=default.block_size)
     model.add_argument("--draft-layers", type=int, default=default.num_hidden_layers)
-    model.add_argument("--draft-vocab-size", type=int, default=0,
-                       help="reduced draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary)")
-    model.add_argument("--max-steps", type=int, default=800)
+    model.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="reduced draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary; "
+                            "default: the full one up to 32,768 ids, else sized from the answers' coverage)")
+    model.add_argument("--max-steps", type=int, default=None,
+                       help=f"optimiser steps (default: what fits the training stage's share of --max-time, else "
+                            f"{DEFAULT_MAX_STEPS})")
     model.add_argument("--max-time", type=parse_duration, default=None,
-                       help="time budget from the start of the command (3600, 90m, 2h): training stops at the first "
-                            "step past it, saving a checkpoint and the draft; --resume goes on")
+                       help="the whole command's time budget (3600, 90m, 2h): the target is measured first and every "
+                            "stage planned to fit (the plan is printed and kept in stages.json); training stops at "
+                            "its deadline with a checkpoint, and --resume goes on")
     model.add_argument("--batch-size", type=int, default=default.sequences_per_step,
                        help="sequences per optimiser step, over all processes together")
     model.add_argument("--anchors-per-sequence", type=int, default=default.anchors_per_sequence)
@@ -119,13 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--log-every", type=int, default=default.log_every)
     model.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     model.add_argument("--no-progress", action="store_true", help="no progress bars")
+    model.add_argument("--no-prepare-target", action="store_true",
+                       help="run the target as loaded instead of with optimize_for_cpu (which picks kernels by timing, "
+                            "so answers may differ from run to run within rounding)")
+    model.add_argument("--no-measure", action="store_true",
+                       help="skip the final greedy measurement on held-out prompts")
     return parser
 
 
 def options_from_args(args: argparse.Namespace) -> tuple[PipelineOptions, TrainingConfig]:
     """The pipeline's options and the training configuration a parsed command line asks for."""
     cfg = TrainingConfig(
-        markov_rank=args.markov_rank, max_steps=args.max_steps, learning_rate=args.learning_rate,
+        markov_rank=args.markov_rank, max_steps=args.max_steps or DEFAULT_MAX_STEPS, learning_rate=args.learning_rate,
         confidence_head=not args.no_confidence_head,
         confidence_head_with_markov=not args.no_confidence_head and args.markov_rank > 0,
         block_size=args.block_size, num_hidden_layers=args.draft_layers, sequences_per_step=args.batch_size,
@@ -141,7 +154,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[PipelineOptions, Traini
         max_feature_cache_gb=args.max_feature_cache_gb, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, generation_batch_size=args.generation_batch_size,
         shard_size=args.shard_size, seed=args.seed, dtype=args.dtype, device=args.device, threads=args.threads,
-        max_time=args.max_time, prepare_only=args.prepare_only, resume=args.resume, fp16=args.fp16,
+        max_time=args.max_time, feature_dtype=args.feature_dtype, prepare_target=not args.no_prepare_target,
+        fit_steps=args.max_steps is None, auto_draft_vocab=args.draft_vocab_size is None, measure=not args.no_measure, prepare_only=args.prepare_only, resume=args.resume, fp16=args.fp16,
         export_formats=tuple(args.export_formats), show_progress=not args.no_progress)
     return opts, cfg
 

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.utils import logging
@@ -44,6 +43,7 @@ from ..model.configuration_dspark import DSparkConfig
 from ..model.heads import confidence_logits
 from ..model.modeling_dspark import DSparkDraftModel
 from .distributed import Ranks, atomic_torch_save, atomic_write_json
+from .draft_start import init_from_saved_draft, init_from_target_layers
 from .draft_vocab_training import (add_target_lse, coverage, reduced_vocab_loss, select_draft_vocab,
                                    special_token_ids, target_subset_logits, token_counts)
 from .features import FeatureSource, ListFeatures, as_feature_source, build_feature_cache, target_features
@@ -51,11 +51,13 @@ from .loss_terms import combine_loss_terms
 from .target_loading import finish_logits, plain_head, target_head
 
 # Re-exported: the feature functions lived here before features.py (benchmarks and tests import them).
-__all__ = ["TrainingConfig", "block_attention_mask", "build_feature_cache", "choose_draft_vocab", "draft_block_outputs",
+__all__ = ["NonFiniteTrainingError", "TrainingConfig", "block_attention_mask", "build_feature_cache", "choose_draft_vocab", "draft_block_outputs",
            "dspark_loss", "init_from_saved_draft", "init_from_target_layers", "make_draft", "position_weights",
            "sample_anchors", "serial_logits_teacher_forced", "step_loss", "target_features", "train"]
 
 logger = logging.get_logger(__name__)
+
+FIT_AFTER_STEPS = 6  # steps timed (from the second) before a budgeted run sizes its schedule
 
 
 def _draft_default(field_name: str):
@@ -265,100 +267,6 @@ def make_draft(target: PreTrainedModel, cfg: TrainingConfig, draft_vocab_ids=Non
     return draft
 
 
-@torch.no_grad()
-def init_from_saved_draft(draft: DSparkDraftModel, path: str | Path) -> None:
-    """Starts training from a saved draft's weights (a warm start, e.g. v1 -> v2 on more data).
-
-    The saved draft must have this run's architecture; its embedding and LM head, when saved, are
-    ignored because training borrows the target's frozen ones. Two differences are allowed: a
-    full-vocabulary draft may start a reduced-vocabulary one (``draft_vocab_ids``), whose N-wide
-    ``markov_w2`` then starts from the saved rows of those ids; and a draft may start a deeper one
-    (``--draft-layers`` above the saved count). Its layers become the first ones and each added layer
-    keeps its start (the target's layers) with its attention and MLP output projections zeroed, so the
-    added residual blocks are identities and the deeper draft starts out drafting exactly as the
-    saved one.
-    """
-    saved = DSparkDraftModel.from_pretrained(path, torch_dtype=torch.float32)
-    narrowing = saved.draft_vocab_ids is None and draft.draft_vocab_ids is not None
-    saved_depth, depth = saved.config.num_hidden_layers, draft.config.num_hidden_layers
-    deepening = saved_depth < depth and list(saved.config.layer_types) == list(draft.config.layer_types)[:saved_depth]
-    for key in ("block_size", "num_hidden_layers", "markov_rank", "markov_head_type", "target_layer_ids",
-                "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size",
-                "draft_vocab_size"):
-        mine, theirs = getattr(draft.config, key, None), getattr(saved.config, key, None)
-        if mine != theirs and not (narrowing and key == "draft_vocab_size") and not (
-                deepening and key == "num_hidden_layers"):
-            raise ValueError(f"--init-from-draft {path}: its {key} is {theirs!r} but this run trains {mine!r}; "
-                             "pass training options that match the saved draft (a deeper draft may start from a "
-                             "shallower one), or start without it.")
-    weights = {k: v for k, v in saved.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
-    added = tuple(f"layers.{i}." for i in range(saved_depth, depth)) if deepening else ()
-    for prefix in added:
-        for name, param in draft.named_parameters():
-            if name.startswith(prefix) and name.endswith(("o_proj.weight", "o_proj.bias", "down_proj.weight",
-                                                          "down_proj.bias")):
-                weights[name] = torch.zeros_like(param)
-    if (not narrowing and draft.draft_vocab_ids is not None
-            and not torch.equal(saved.draft_vocab_ids, draft.draft_vocab_ids)):
-        logger.warning(f"--init-from-draft {path}: training keeps that draft's {saved.draft_vocab_ids.numel()}-id "
-                       "vocabulary (its Markov head's rows belong to those ids), not the one chosen from this data.")
-    if narrowing:
-        weights["draft_vocab_ids"] = draft.draft_vocab_ids
-        if "markov_head.markov_w2.weight" in weights:
-            weights["markov_head.markov_w2.weight"] = weights["markov_head.markov_w2.weight"][draft.draft_vocab_ids]
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head.") + added)]
-    if missing or unexpected:
-        raise ValueError(f"--init-from-draft {path}: weights do not fit (missing {missing}, unexpected {unexpected}).")
-    logger.warning(f"Warm start from {path}.")
-
-
-def _decoder_layers(target: PreTrainedModel) -> nn.ModuleList | None:
-    """The target's list of decoder layers (``layers`` in Llama-like families, ``h`` in GPT-2/Falcon,
-    ``decoder.layers`` in OPT): the module list with one entry per hidden layer."""
-    count = target.config.get_text_config().num_hidden_layers
-    for module in target.base_model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == count:
-            return module
-    return None
-
-
-def _final_norm_weight(target: PreTrainedModel, width: int) -> torch.Tensor | None:
-    """The weight of the target's final norm (``norm``, ``ln_f``, ``final_layer_norm``...), if it has one."""
-    for name, module in target.base_model.named_modules():
-        if name.split(".")[-1] in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm"):
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.shape == (width,):
-                return weight
-    return None
-
-
-@torch.no_grad()
-def init_from_target_layers(draft: DSparkDraftModel, target: PreTrainedModel) -> None:
-    """Starts the draft from the target's last layers instead of random weights.
-
-    Draft layer i copies target layer ``L - n + i`` where names and shapes agree (attention, MLP,
-    norms of Llama-like families; q_norm/k_norm stay at ones when the target has none; families
-    that name them otherwise keep their random start), the final norm copies the target's,
-    and ``fc`` starts as the identity on the deepest selected target layer, so the context
-    features begin as that layer's (normed) hidden states.
-    """
-    target_layers = _decoder_layers(target)
-    if target_layers is not None:
-        offset = len(target_layers) - len(draft.layers)
-        for i, layer in enumerate(draft.layers):
-            source = dict(target_layers[offset + i].named_parameters())
-            for name, param in layer.named_parameters():
-                if name in source and source[name].shape == param.shape:
-                    param.copy_(source[name].float())
-    norm = _final_norm_weight(target, draft.norm.weight.shape[0])
-    if norm is not None:
-        draft.norm.weight.copy_(norm.float())
-    d = draft.config.hidden_size
-    draft.fc.weight.zero_()
-    draft.fc.weight[:, -d:] = torch.eye(d)
-
-
 # ------------------------------------------------------------------------------------ training
 def _learning_rate_schedule(cfg: TrainingConfig):
     def factor(step: int) -> float:  # linear warm-up, cosine decay to 10%
@@ -379,6 +287,30 @@ def _metric_vector(out: dict[str, torch.Tensor], reduced: bool) -> torch.Tensor:
 def _metrics(vector: torch.Tensor, reduced: bool) -> dict[str, torch.Tensor]:
     names = ["loss", "ce", "tv", "bce"] + (["label_outside_share"] if reduced else [])
     return {name: vector[i] for i, name in enumerate(names)} | {"accuracy": vector[len(names):]}
+
+
+class NonFiniteTrainingError(ValueError):
+    """A training step produced an inf or NaN loss or gradient; nothing of that step was applied."""
+
+
+def _stop_if_not_finite(step: int, sums: torch.Tensor, grad_norm, reduced: bool, checkpoint: Path, done: int,
+                        save_last_good) -> None:
+    """Raises :class:`NonFiniteTrainingError` naming the terms when step ``step``'s loss or gradient
+    is not finite, after ``save_last_good()`` keeps the state before the step (one sync per step)."""
+    values = torch.cat([sums.detach().float().reshape(-1), torch.as_tensor(grad_norm).float().reshape(1).to(sums.device)])
+    if bool(torch.isfinite(values).all()):
+        return
+    names = ["loss", "ce", "tv", "bce"] + (["label_outside_share"] if reduced else [])
+    bad = [name for name, value in zip(names, values[: len(names)].tolist()) if not math.isfinite(value)]
+    if not math.isfinite(float(values[-1])):
+        bad.append("gradient norm")
+    save_last_good()
+    kept = (f"The last good state (step {done}) is in {checkpoint}; `--resume` continues from it once the cause is "
+            "fixed." if (checkpoint / "state.pt").exists() else "No step had completed, so there is no checkpoint.")
+    raise NonFiniteTrainingError(
+        f"Training step {step}: {', '.join(bad)} not finite; stopped before applying it. The usual causes: target "
+        "features beyond their dtype's range (recompute them with --feature-dtype bfloat16 in a fresh --feature-dir), "
+        f"or a learning rate too high for this draft (--learning-rate). {kept}")
 
 
 def _save_checkpoint(folder: Path, step: int, draft, optimizer, scheduler, generator, accelerator) -> None:
@@ -413,7 +345,7 @@ def _load_checkpoint(folder: Path, draft, optimizer, scheduler, generator, accel
 
 def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: TrainingConfig, output_dir: str | Path,
           resume: bool = False, *, deadline: float | None = None, accelerator=None,
-          show_progress: bool = True) -> DSparkDraftModel:
+          show_progress: bool = True, fit_steps_to_deadline: bool = False) -> DSparkDraftModel:
     """Trains a fresh draft on ``items`` and saves it to ``output_dir``; returns it.
 
     ``items`` are feature-cache items (:func:`build_feature_cache`) or a
@@ -426,7 +358,11 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
     ``output_dir/checkpoint`` holds the whole state every ``save_every`` steps (written by the main
     process, atomically); ``resume`` continues from it as if never stopped. ``deadline`` (a
     ``time.monotonic()`` value) stops after the first step that ends past it, with a checkpoint, so
-    a later ``resume`` goes on. ``output_dir/train_log.jsonl`` gets one line per ``log_every`` steps
+    a later ``resume`` goes on. With ``fit_steps_to_deadline`` the run times its steps
+    :data:`FIT_AFTER_STEPS` steps in and sets ``cfg.max_steps`` to what fits before the deadline, so
+    the learning-rate schedule ends with the budget instead of being cut mid-way. A step whose loss or
+    gradient is not finite stops the run (:class:`NonFiniteTrainingError`), keeping the last good
+    state as the checkpoint. ``output_dir/train_log.jsonl`` gets one line per ``log_every`` steps
     and ``training_progress.json`` the steps done. With ``snapshot_every``,
     ``output_dir/snapshots/step-N`` holds the draft after N steps, loadable with ``from_pretrained``.
     """
@@ -462,15 +398,29 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
     reduced = draft.draft_vocab_ids is not None
     log = (output_dir / "train_log.jsonl").open("a" if resume else "w") if ranks.is_main else None
     draft.train()
-    bar = tqdm(range(start_step, cfg.max_steps), desc="Training draft", disable=not (show_progress and ranks.is_main))
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="Training draft",
+               disable=not (show_progress and ranks.is_main))
     window: list[dict[str, torch.Tensor]] = []  # per-step metrics since the last log line
-    done, stopped = start_step, False
-    for step in bar:
+    done, stopped, step, timed_from = start_step, False, start_step - 1, None
+    while step + 1 < cfg.max_steps:
+        step += 1
+        if fit_steps_to_deadline and deadline is not None:
+            if done == start_step + 1:  # the first step pays one-off costs: time from the second on
+                timed_from = time.monotonic()
+            elif timed_from is not None and done == start_step + FIT_AFTER_STEPS:
+                per_step = (time.monotonic() - timed_from) / (FIT_AFTER_STEPS - 1)
+                fitted = done + max(1, int(ranks.broadcast((deadline - time.monotonic()) / per_step)))
+                if ranks.is_main:
+                    logger.warning(f"Training: {per_step:.2f} s per step; {fitted} steps fit the time budget "
+                                   f"(the learning-rate schedule is sized to them; was {cfg.max_steps}).")
+                cfg.max_steps, bar.total, timed_from = fitted, fitted, None
+                bar.refresh()
         picks = torch.randint(len(source), (cfg.sequences_per_step,), generator=generator).tolist()
         batch = [(index, sample_anchors(*source.shape(index), cfg.anchors_per_sequence, cfg.block_size, generator))
                  for index in picks]
         counted = sum(anchors.numel() > 0 for _, anchors in batch)
         if counted == 0:
+            bar.update(1)
             continue
         sums = None
         for position in ranks.share(len(batch)):
@@ -484,13 +434,19 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
             vector = _metric_vector(out, reduced)
             sums = vector if sums is None else sums + vector
         ranks.sum_gradients_(params)
-        accelerator.clip_grad_norm_(params, 1.0)
+        grad_norm = accelerator.clip_grad_norm_(params, 1.0)
+        step_sums = ranks.all_reduce_(sums if sums is not None else
+                                      torch.zeros(4 + reduced + cfg.block_size, device=accelerator.device))
+        if accelerator.scaler is None:  # fp16 loss scaling skips overflowing steps itself
+            _stop_if_not_finite(step + 1, step_sums, grad_norm, reduced, checkpoint, done,
+                                lambda: _save_checkpoint(checkpoint, done, draft, optimizer, scheduler, generator,
+                                                         accelerator) if ranks.is_main and done > start_step else None)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        sums = sums if sums is not None else torch.zeros(4 + reduced + cfg.block_size, device=accelerator.device)
-        window.append(_metrics(ranks.all_reduce_(sums) / counted, reduced))
+        window.append(_metrics(step_sums / counted, reduced))
         done = step + 1
+        bar.update(1)
         stopped = deadline is not None and done < cfg.max_steps and ranks.any(time.monotonic() >= deadline,
                                                                                   accelerator.device)
         if (done % cfg.log_every == 0 or done == cfg.max_steps or stopped) and log is not None:

@@ -1,0 +1,168 @@
+"""``--max-time`` as the whole command's budget: measure the target first, then plan every stage.
+
+Before any answer is generated, :func:`measure_target` times what the stages are made of on this
+machine: a batch of answers (the prefill and one decode step of ``--generation-batch-size`` rows),
+one decode step of a single row (what the final measurement runs) and a feature forward per token.
+:func:`plan_stages` then splits the budget:
+
+* **data** (answers, then their features): :data:`DATA_SHARE` of what is left after loading; the
+  number of prompts answered is what fits in it at the measured cost;
+* **training**: what the other stages leave, with the learning-rate schedule sized to the steps that
+  fit (the trainer measures its own step time and sets ``max_steps``);
+* **calibration** and the **final measurement**: fixed shares, the measurement's prompts and lengths
+  sized to fit its share.
+
+Each stage gets a deadline (its planned end, counted from the command's start), so a stage that
+finishes early hands its time to the next and one that runs long is cut where its work can stop
+cleanly (between answer shards, feature chunks, training steps, measured prompts). The plan and the
+actual seconds go to ``stages.json`` and the model card. The shares are this project's choice, not
+measured optima: see docs/training.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from .datagen import generate_batch
+
+DATA_SHARE = 0.40  # answers and their features
+CALIBRATION_SHARE = 0.02
+MEASUREMENT_SHARE = 0.10
+MARGIN_SHARE = 0.03  # saving the draft, the card and exports, and a stage that overruns its deadline
+MEASURE_NEW_TOKENS = 8  # decode steps timed per measurement (after one untimed warm-up step)
+
+
+@dataclass
+class TargetCosts:
+    """What the target costs on this machine, measured by :func:`measure_target`.
+
+    Attributes:
+        batch_rows: rows of the timed answers batch (``--generation-batch-size``).
+        batch_prefill_seconds: the forward over that batch's prompts.
+        batch_step_seconds: one decode step of that batch.
+        row_step_seconds: one decode step of a single row.
+        feature_seconds_per_token: a feature forward (all hidden states), per token.
+    """
+
+    batch_rows: int
+    batch_prefill_seconds: float
+    batch_step_seconds: float
+    row_step_seconds: float
+    feature_seconds_per_token: float
+
+    def answer_seconds(self, max_new_tokens: int) -> float:
+        """Seconds per prompt answered in full batches of ``max_new_tokens`` (an upper bound: answers that
+        end at EOS cost less)."""
+        return (self.batch_prefill_seconds + max_new_tokens * self.batch_step_seconds) / self.batch_rows
+
+
+@dataclass
+class StagePlan:
+    """How ``--max-time`` is spent: prompts to answer and planned seconds per stage (from the command's start)."""
+
+    max_time: float
+    prompts: int
+    seconds: dict[str, float]
+    costs: TargetCosts
+    measurement_prompts: int
+    measurement_new_tokens: int
+    notes: list[str] = field(default_factory=list)
+
+    def deadline(self, started: float, stage: str) -> float:
+        """The ``time.monotonic()`` by which ``stage`` must end: the planned ends of it and every stage before it."""
+        order = list(self.seconds)
+        return started + sum(self.seconds[s] for s in order[: order.index(stage) + 1])
+
+    def describe(self) -> str:
+        """The plan as the command prints it."""
+        c = self.costs
+        lines = [f"Plan for --max-time {self.max_time / 60:.1f} min (measured on this machine: an answers batch of "
+                 f"{c.batch_rows} rows {c.batch_prefill_seconds:.2f} s prefill + {c.batch_step_seconds * 1e3:.0f} ms "
+                 f"per step, one row {c.row_step_seconds * 1e3:.0f} ms per step, features "
+                 f"{c.feature_seconds_per_token * 1e3:.2f} ms per token):"]
+        for stage, seconds in self.seconds.items():
+            what = {"answers": f"{self.prompts} prompts",
+                    "measurement": f"{self.measurement_prompts} held-out prompts x {self.measurement_new_tokens} "
+                                   "tokens, greedy: target, DSpark, prompt lookup"}.get(stage, "")
+            lines.append(f"  {stage:<12} {seconds / 60:6.1f} min  {what}".rstrip())
+        return "\n".join(lines + [f"  note: {note}" for note in self.notes])
+
+    def as_json(self) -> dict:
+        return {"max_time_seconds": self.max_time, "prompts": self.prompts,
+                "planned_seconds": {k: round(v, 1) for k, v in self.seconds.items()},
+                "measurement_prompts": self.measurement_prompts,
+                "measurement_new_tokens": self.measurement_new_tokens, "costs": asdict(self.costs), "notes": self.notes}
+
+
+def _time_decode(target: PreTrainedModel, rows: list[list[int]], pad_token_id: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode step) of ``rows`` left-padded into one batch."""
+
+    def timed(new_tokens: int) -> float:
+        start = time.perf_counter()
+        generate_batch(target, rows, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_token_id,
+                       eos_ids=[], min_new_tokens=new_tokens)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up: first-call allocations, kernel choice
+    short, long = timed(1), timed(1 + MEASURE_NEW_TOKENS)
+    step = max((long - short) / MEASURE_NEW_TOKENS, 1e-6)
+    return max(short - step, 0.0), step
+
+
+@torch.no_grad()
+def measure_target(target: PreTrainedModel, prompt_ids: list[int], *, batch_rows: int, pad_token_id: int,
+                   feature_seconds_per_token) -> TargetCosts:
+    """Times the target on ``prompt_ids`` (a typical context): an answers batch of ``batch_rows`` copies,
+    one row, and a feature forward (``feature_seconds_per_token``: a callable returning it)."""
+    batch_prefill, batch_step = _time_decode(target, [prompt_ids] * batch_rows, pad_token_id)
+    _, row_step = _time_decode(target, [prompt_ids], pad_token_id)
+    return TargetCosts(batch_rows=batch_rows, batch_prefill_seconds=batch_prefill, batch_step_seconds=batch_step,
+                       row_step_seconds=row_step, feature_seconds_per_token=feature_seconds_per_token())
+
+
+def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_tokens: int, mean_prompt_tokens: float,
+                min_prompts: int, max_prompts: int, shard_size: int) -> StagePlan:
+    """Splits ``max_time`` (seconds from the command's start, ``elapsed`` already spent loading and measuring).
+
+    Prompts: as many whole shards as the data share buys at the measured cost (answers plus the
+    features of prompt and answer), at least ``min_prompts`` (enough to hold some out and train), at
+    most ``max_prompts`` (what the plan holds). Raises ``ValueError`` when even ``min_prompts`` do not
+    fit, naming the budget that would.
+    """
+    left = max_time - elapsed
+    per_prompt = costs.answer_seconds(max_new_tokens) + (
+        (mean_prompt_tokens + max_new_tokens) * costs.feature_seconds_per_token)
+    data = DATA_SHARE * left
+    fits = int(data // per_prompt)
+    prompts = min(max_prompts, max(min_prompts, fits // shard_size * shard_size or fits))
+    notes = []
+    needed = elapsed + min_prompts * per_prompt / DATA_SHARE
+    if fits < min_prompts:
+        raise ValueError(
+            f"--max-time {max_time / 60:.0f} min is too short for this target on this machine: {min_prompts} prompts "
+            f"(the fewest that leave some to train on after --held-out) take {min_prompts * per_prompt / 60:.1f} min "
+            f"to answer and featurise at the measured {per_prompt:.1f} s each. Give at least --max-time "
+            f"{math.ceil(needed / 60)}m, fewer --max-new-tokens, or --corpus with answers made earlier.")
+    if prompts < fits // shard_size * shard_size:
+        notes.append(f"the prompt plan holds only {max_prompts} prompts; the unused data time goes to training")
+    answers = prompts * costs.answer_seconds(max_new_tokens)
+    features = prompts * (mean_prompt_tokens + max_new_tokens) * costs.feature_seconds_per_token
+    measurement = MEASUREMENT_SHARE * left
+    # three methods run each prompt; the target alone at the row step, the others faster: 2.5 row-runs per prompt
+    new_tokens = 64 if max_new_tokens >= 64 else max_new_tokens
+    per_measured = 2.5 * new_tokens * costs.row_step_seconds
+    measurement_prompts = max(1, min(12, int(measurement // per_measured)))
+    calibration = CALIBRATION_SHARE * left
+    training = left - answers - features - calibration - measurement - MARGIN_SHARE * left
+    seconds = {"setup": elapsed, "answers": answers, "features": features, "training": training,
+               "calibration": calibration, "measurement": measurement}
+    return StagePlan(max_time, prompts, seconds, costs, measurement_prompts, new_tokens, notes)
+
+
+__all__ = ["CALIBRATION_SHARE", "DATA_SHARE", "MARGIN_SHARE", "MEASUREMENT_SHARE", "StagePlan", "TargetCosts",
+           "measure_target", "plan_stages"]
