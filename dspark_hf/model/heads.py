@@ -51,7 +51,12 @@ class MarkovHead(nn.Module):
         self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Bias over the vocabulary for one position. prev_tokens (R,), hidden (R, d) -> (R, V), new state."""
-        feature = self.markov_w1(prev_tokens)
+        return self.bias_from_feature(self.markov_w1(prev_tokens), hidden, state)
+
+    def bias_from_feature(
+        self, feature: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`step` from the previous token's feature ``W1[x_{k-1}]`` (R, rank), already looked up."""
         if self.head_type == "vanilla":
             return self.markov_w2(feature), state
         if self.head_type == "gated":
@@ -83,7 +88,8 @@ class ConfidenceHead(nn.Module):
         return self.proj(hidden).squeeze(-1)
 
 
-def confidence_logits(draft: nn.Module, hidden_states: torch.Tensor, previous_tokens: torch.LongTensor) -> torch.Tensor:
+def confidence_logits(draft: nn.Module, hidden_states: torch.Tensor, previous_tokens: torch.LongTensor,
+                      previous_features: torch.Tensor | None = None) -> torch.Tensor:
     """Uncalibrated confidence logits of ``draft`` (its ``confidence_head``, and its
     ``markov_head`` when the confidence head reads the Markov feature ``W1[x_{k-1}]``).
 
@@ -92,12 +98,16 @@ def confidence_logits(draft: nn.Module, hidden_states: torch.Tensor, previous_to
         hidden_states: final-normed hidden states of the positions, (R, n, d).
         previous_tokens: the token before each position, (R, n): the anchor for the first block
             position, then the drawn tokens. Position ``k`` never sees its own token.
+        previous_features: ``W1[previous_tokens]`` (R, n, rank) when the caller has looked them up already.
 
     Returns:
         (R, n) logits, in the head's dtype.
     """
     head = draft.confidence_head
-    previous_features = draft.markov_head.markov_w1(previous_tokens) if head.with_markov else None
+    if not head.with_markov:
+        previous_features = None
+    elif previous_features is None:
+        previous_features = draft.markov_head.markov_w1(previous_tokens)
     return head.logits(hidden_states, previous_features)
 
 

@@ -58,6 +58,7 @@ __all__ = ["NonFiniteTrainingError", "TrainingConfig", "block_attention_mask", "
 logger = logging.get_logger(__name__)
 
 FIT_AFTER_STEPS = 6  # steps timed (from the second) before a budgeted run sizes its schedule
+REFIT_TOLERANCE = 0.1  # a later re-check resizes the schedule only when it moves this much
 
 
 def _draft_default(field_name: str):
@@ -208,18 +209,25 @@ def draft_block_outputs(draft: DSparkDraftModel, item: dict, anchors: torch.Long
 
 def serial_logits_teacher_forced(draft: DSparkDraftModel, base_logits, hidden, previous):
     """``U_k + B_k`` with the Markov head fed the true previous tokens; plus confidence logits."""
-    logits = base_logits
+    logits, features = base_logits, None
     if draft.markov_head is not None:
         head = draft.markov_head
+        # One lookup of W1 for every position, shared with the confidence head: each lookup's backward
+        # writes a dense vocabulary x rank gradient, which cost more than the rest of the head.
+        features = head.markov_w1(previous)
         state = head.initial_state(previous.shape[0], hidden.device, hidden.dtype)
-        biases = []
-        for k in range(previous.shape[1]):
-            bias, state = head.step(previous[:, k], hidden[:, k], state)
-            biases.append(bias)
-        logits = logits + torch.stack(biases, dim=1)
+        if state is None:  # position-wise heads (no recurrent state): every position at once
+            bias, _ = head.bias_from_feature(features.flatten(0, 1), hidden.flatten(0, 1), None)
+            logits = logits + bias.view(*previous.shape, -1)
+        else:
+            biases = []
+            for k in range(previous.shape[1]):
+                bias, state = head.bias_from_feature(features[:, k], hidden[:, k], state)
+                biases.append(bias)
+            logits = logits + torch.stack(biases, dim=1)
     confidence = None
     if draft.confidence_head is not None:
-        confidence = confidence_logits(draft, hidden, previous)
+        confidence = confidence_logits(draft, hidden, previous, features)
     return logits, confidence
 
 
@@ -360,7 +368,8 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
     ``time.monotonic()`` value) stops after the first step that ends past it, with a checkpoint, so
     a later ``resume`` goes on. With ``fit_steps_to_deadline`` the run times its steps
     :data:`FIT_AFTER_STEPS` steps in and sets ``cfg.max_steps`` to what fits before the deadline, so
-    the learning-rate schedule ends with the budget instead of being cut mid-way. A step whose loss or
+    the learning-rate schedule ends with the budget instead of being cut mid-way; it checks again
+    every quarter of the run and resizes when the fit moves by more than :data:`REFIT_TOLERANCE`. A step whose loss or
     gradient is not finite stops the run (:class:`NonFiniteTrainingError`), keeping the last good
     state as the checkpoint. ``output_dir/train_log.jsonl`` gets one line per ``log_every`` steps
     and ``training_progress.json`` the steps done. With ``snapshot_every``,
@@ -401,20 +410,25 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="Training draft",
                disable=not (show_progress and ranks.is_main))
     window: list[dict[str, torch.Tensor]] = []  # per-step metrics since the last log line
-    done, stopped, step, timed_from = start_step, False, start_step - 1, None
+    done, stopped, step = start_step, False, start_step - 1
+    timed_from, timed_steps, refit_every = None, start_step, 0
     while step + 1 < cfg.max_steps:
         step += 1
         if fit_steps_to_deadline and deadline is not None:
             if done == start_step + 1:  # the first step pays one-off costs: time from the second on
-                timed_from = time.monotonic()
-            elif timed_from is not None and done == start_step + FIT_AFTER_STEPS:
-                per_step = (time.monotonic() - timed_from) / (FIT_AFTER_STEPS - 1)
+                timed_from, timed_steps = time.monotonic(), done
+            elif timed_from is not None and done - timed_steps >= max(FIT_AFTER_STEPS - 1, refit_every):
+                per_step = (time.monotonic() - timed_from) / (done - timed_steps)
                 fitted = done + max(1, int(ranks.broadcast((deadline - time.monotonic()) / per_step)))
-                if ranks.is_main:
-                    logger.warning(f"Training: {per_step:.2f} s per step; {fitted} steps fit the time budget "
-                                   f"(the learning-rate schedule is sized to them; was {cfg.max_steps}).")
-                cfg.max_steps, bar.total, timed_from = fitted, fitted, None
-                bar.refresh()
+                first = refit_every == 0
+                if first or abs(fitted - cfg.max_steps) > REFIT_TOLERANCE * cfg.max_steps:
+                    if ranks.is_main:
+                        logger.warning(f"Training: {per_step:.2f} s per step; {fitted} steps fit the time budget "
+                                       f"(the learning-rate schedule is sized to them; was {cfg.max_steps}).")
+                    cfg.max_steps, bar.total = fitted, fitted
+                    bar.refresh()
+                # the machine's speed can change (another job starts or ends): check again every quarter
+                timed_from, timed_steps, refit_every = time.monotonic(), done, max(FIT_AFTER_STEPS, fitted // 4)
         picks = torch.randint(len(source), (cfg.sequences_per_step,), generator=generator).tolist()
         batch = [(index, sample_anchors(*source.shape(index), cfg.anchors_per_sequence, cfg.block_size, generator))
                  for index in picks]
@@ -475,6 +489,7 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
     draft.eval()
     if ranks.is_main:
         draft.save_pretrained(output_dir)
+        atomic_write_json(output_dir / "training_config.json", asdict(cfg))  # max_steps as fitted to the budget
         atomic_write_json(output_dir / "training_progress.json",
                           {"steps_done": done, "max_steps": cfg.max_steps, "stopped_by_time_budget": stopped,
                            "processes": ranks.world_size})
