@@ -22,6 +22,16 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     yield
 
 
+@pytest.fixture
+def isolated_training(tmp_path, monkeypatch):
+    """Caches under tmp_path, and the torch thread count the test found (``--threads`` sets it process-wide):
+    for tests that run ``dspark-hf train``."""
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=("avx2", "avx512", "avx512_bf16"))
 def isa(request):
     """Each instruction-set path of the CPU row-block kernel in turn (those this CPU lacks, or all where the

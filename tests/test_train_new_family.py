@@ -26,12 +26,7 @@ from dspark_hf.training.trainer import (NonFiniteTrainingError, TrainingConfig, 
 WORDS = "the a cat dog runs sits on mat red blue big small sun moon tree house water fire one two three four".split()
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated_training")
 
 
 def _records(count: int = 8, length: int = 24, vocab: int = 30, seed: int = 0) -> list[dict]:

@@ -51,13 +51,7 @@ TINY = ["--num-prompts", "12", "--max-new-tokens", "10", "--shard-size", "4", "-
 FAST = ["--no-prepare-target", "--no-measure"]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    """Caches under tmp_path, and the torch thread count the test found (--threads sets it process-wide)."""
-    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated_training")
 
 
 def _save_target(folder: Path, family: str = "phi3", chat_template: bool = True) -> Path:
