@@ -179,8 +179,9 @@ def test_bench_runs_a_base_model_on_plain_text_prompts(tmp_path):
     prompt_dir.mkdir()
     (prompt_dir / "gsm8k.jsonl").write_text(json.dumps({"turns": ["w1 w2 w3 w4"]}) + "\n")
     result = bench.main(["--quick", "--target", str(target_dir), "--dspark", str(dspark_dir), "--dflash", "none",
-                         "--prompt-dir", str(prompt_dir), "--datasets", "gsm8k", "--methods", "dspark-scheduler",
-                         "--max-new-tokens", "8", "--modes", "greedy", "--out", str(tmp_path / "out")])
+                         "--prompt-dir", str(prompt_dir), "--datasets", "gsm8k", "--max-new-tokens", "8",
+                         "--modes", "greedy", "--out", str(tmp_path / "out"), "--batch-sizes", "2"])
     rows = {row["method"]: row for row in result["summary"]}
     assert rows["dspark-scheduler"]["identical_to_target"] is True and rows["dspark-scheduler"]["new_tokens"] > 0
-    assert result["runs"][0]["error"] is None
+    assert not [run for run in result["runs"] if run["error"]]
+    assert all(row["identical_to_target"] for row in result["batch_sweep"] if row["mode"] == "greedy")
