@@ -308,3 +308,12 @@ def test_builtin_plan_is_used_without_a_prompts_file(tmp_path, monkeypatch):
     config = json.loads((folders[0] / "config.json").read_text())
     assert config["sources"] == list(SOURCES) and config["num_prompts"] == 40
     assert len(load_onpolicy_corpus(folders[0])) == 12
+
+
+def test_reference_texts_avoid_only_the_prompts_the_target_answered():
+    """The built-in plan holds nearly every ShareGPT prompt; excluding the whole plan left 12 texts."""
+    from dspark_hf.training.pipeline import _answered_texts
+
+    plan = [{"prompt_index": i, "text": f"prompt {i}"} for i in range(10)]
+    records = [{"prompt_index": 3}, {"prompt_index": 7}, {"index": 0, "mode": "reference"}]
+    assert _answered_texts(plan, records) == ["prompt 3", "prompt 7"]

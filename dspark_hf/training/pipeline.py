@@ -220,7 +220,7 @@ def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks, answer_p
     if opts.corpus:  # a finished data folder: its shards as they are, nothing generated
         records = load_onpolicy_corpus(opts.corpus)[: opts.max_sequences]
         facts = {"data": f"{len(records)} answers of the target from {opts.corpus}"}
-        return records + _reference(opts, tokenizer, [p["text"] for p in plan], ranks), facts
+        return records + _reference(opts, tokenizer, _answered_texts(plan, records), ranks), facts
     count = min(wanted, len(plan))
     if count < wanted:
         logger.warning(f"Answers: {wanted} prompts asked for, the plan holds {count} (prompts longer than "
@@ -239,16 +239,23 @@ def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks, answer_p
     source = f"prompts of {Path(opts.prompts).name}" if opts.prompts else "prompts of the built-in plan"
     facts = {"data": f"{len(records)} {source} answered by the target ({config['prompt_format']}; even-numbered "
                      f"greedy, odd sampled at temperature 1), at most {opts.max_new_tokens} new tokens"}
-    return records + _reference(opts, tokenizer, [p["text"] for p in plan], ranks, folder), facts
+    return records + _reference(opts, tokenizer, _answered_texts(plan, records), ranks, folder), facts
 
 
-def _reference(opts: PipelineOptions, tokenizer, planned: list[str], ranks: Ranks, folder: Path | None = None):
-    """ShareGPT conversations with their original answers (``--reference-answers``), after the target's own."""
+def _answered_texts(plan: list[dict], records: list[dict]) -> list[str]:
+    """The prompts the target answered (reference texts must not repeat them; the rest of the plan may)."""
+    by_index = {item["prompt_index"]: item["text"] for item in plan}
+    return [by_index[r["prompt_index"]] for r in records if r.get("prompt_index") in by_index]
+
+
+def _reference(opts: PipelineOptions, tokenizer, answered: list[str], ranks: Ranks, folder: Path | None = None):
+    """ShareGPT conversations with their original answers (``--reference-answers``), after the target's own;
+    none repeats a prompt the target answered."""
     if not opts.reference_answers:
         return []
     path = (folder or default_cache_dir() / "data") / f"sharegpt_reference.n{opts.reference_answers}.jsonl"
     if ranks.is_main:
-        sharegpt_reference_answers(tokenizer, opts.reference_answers, path, exclude_prompts=set(planned),
+        sharegpt_reference_answers(tokenizer, opts.reference_answers, path, exclude_prompts=set(answered),
                                    max_answer_tokens=opts.max_new_tokens)
     ranks.barrier()
     return load_corpus(path)
