@@ -1,21 +1,24 @@
 """``dspark-hf train``: a draft for any transformers causal LM, in one path of resumable stages.
 
-1. **target**: ``--target`` (a preset, a folder or a Hub id) loaded and checked
-   (:mod:`~dspark_hf.training.target_loading`);
+1. **setup**: ``--target`` (a preset, a folder or a Hub id) loaded and checked
+   (:mod:`~dspark_hf.training.target_loading`), prepared with ``optimize_for_cpu`` on the CPU, and with
+   ``--max-time`` measured and every stage planned (:mod:`~dspark_hf.training.budget`);
 2. **answers**: the prompts (``--prompts FILE`` or the built-in plan) answered by the target itself,
    half greedy and half sampled, with its chat template or as plain text, into shards of a data folder
    (:mod:`~dspark_hf.training.datagen`; or ``--corpus``: a finished data folder used as it is);
-3. **features**: the target's hidden states, cached in chunks or recomputed per step
-   (:mod:`~dspark_hf.training.features`, ``--features auto|cached|online``);
+3. **features**: the target's hidden states in a dtype that holds them, cached in chunks or recomputed
+   per step (:mod:`~dspark_hf.training.features`, ``--features auto|cached|online``);
 4. **training**: DSpark, or DFlash with ``markov_rank`` 0 (:func:`~dspark_hf.training.trainer.train`);
 5. **calibration**: Sequential Temperature Scaling of the confidence head on held-out answers;
-6. **card and export**: ``README.md`` in the draft folder and any ``--export-format`` layouts.
+6. **measurement**: the draft against the target alone and prompt lookup on held-out prompts
+   (:mod:`~dspark_hf.training.final_measurement`);
+7. **card and export**: ``README.md`` in the draft folder and any ``--export-format`` layouts.
 
 Every stage resumes: the plan, the answer shards and the feature chunks are reused when they match
 (they are content-keyed caches), and training continues from its checkpoint with ``--resume``. Under
 ``accelerate launch`` or ``torchrun`` the processes split the answer shards, the feature chunks and
 each step's global batch (:mod:`~dspark_hf.training.distributed`); the main process alone writes
-what they share. Each stage's wall time goes to ``OUTPUT/stages.json``.
+what they share. Each stage's wall time (and the budget's plan) goes to ``OUTPUT/stages.json``.
 """
 
 from __future__ import annotations
