@@ -22,19 +22,18 @@ measured optima: see docs/training.md.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import PreTrainedModel
-
-from .datagen import generate_batch
+from transformers import DynamicCache, PreTrainedModel
 
 DATA_SHARE = 0.40  # answers and their features
 CALIBRATION_SHARE = 0.02
 MEASUREMENT_SHARE = 0.10
 MARGIN_SHARE = 0.03  # saving the draft, the card and exports, and a stage that overruns its deadline
-MEASURE_NEW_TOKENS = 8  # decode steps timed per measurement (after one untimed warm-up step)
+MEASURE_NEW_TOKENS = 8  # decode steps timed one by one per measurement (after one untimed warm-up step)
 
 
 @dataclass
@@ -99,28 +98,40 @@ class StagePlan:
                 "measurement_new_tokens": self.measurement_new_tokens, "costs": asdict(self.costs), "notes": self.notes}
 
 
-def _time_decode(target: PreTrainedModel, rows: list[list[int]], pad_token_id: int) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode step) of ``rows`` left-padded into one batch."""
+def _time_decode(target: PreTrainedModel, rows: list[list[int]], steps: int = MEASURE_NEW_TOKENS) -> tuple[float, float]:
+    """(prefill seconds, median seconds per decode step) of ``rows`` (equal lengths) in one batch, with the
+    KV cache as ``generate`` uses it. Steps are timed one by one: a difference of two whole generations
+    leaves the prefill's noise in the step."""
+    ids = torch.tensor(rows, dtype=torch.long, device=target.device)
+    mask = torch.ones_like(ids)
 
-    def timed(new_tokens: int) -> float:
+    def prefill():
+        return target(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=target.config), use_cache=True,
+                      logits_to_keep=1)
+
+    prefill()  # warm-up: first-call allocations, kernel choice
+    start = time.perf_counter()
+    out = prefill()
+    prefill_seconds = time.perf_counter() - start
+    cache, attention = out.cache, mask  # updated in place by every step
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps + 1):  # the first step is a warm-up of the one-token shape
+        attention = torch.cat([attention, torch.ones_like(token)], dim=1)
         start = time.perf_counter()
-        generate_batch(target, rows, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_token_id,
-                       eos_ids=[], min_new_tokens=new_tokens)
-        return time.perf_counter() - start
-
-    timed(2)  # warm-up: first-call allocations, kernel choice
-    short, long = timed(1), timed(1 + MEASURE_NEW_TOKENS)
-    step = max((long - short) / MEASURE_NEW_TOKENS, 1e-6)
-    return max(short - step, 0.0), step
+        out = target(input_ids=token, attention_mask=attention, cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - start)
+    return prefill_seconds, statistics.median(times[1:])
 
 
 @torch.no_grad()
-def measure_target(target: PreTrainedModel, prompt_ids: list[int], *, batch_rows: int, pad_token_id: int,
+def measure_target(target: PreTrainedModel, prompt_ids: list[int], *, batch_rows: int,
                    feature_seconds_per_token) -> TargetCosts:
     """Times the target on ``prompt_ids`` (a typical context): an answers batch of ``batch_rows`` copies,
     one row, and a feature forward (``feature_seconds_per_token``: a callable returning it)."""
-    batch_prefill, batch_step = _time_decode(target, [prompt_ids] * batch_rows, pad_token_id)
-    _, row_step = _time_decode(target, [prompt_ids], pad_token_id)
+    batch_prefill, batch_step = _time_decode(target, [prompt_ids] * batch_rows)
+    _, row_step = _time_decode(target, [prompt_ids])
     return TargetCosts(batch_rows=batch_rows, batch_prefill_seconds=batch_prefill, batch_step_seconds=batch_step,
                        row_step_seconds=row_step, feature_seconds_per_token=feature_seconds_per_token())
 

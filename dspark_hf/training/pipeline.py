@@ -425,12 +425,11 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
     tokenizer = loaded.tokenizer
     sample = [plan_item_ids(tokenizer, item) for item in plan[:64]]
     typical = sorted(sample, key=len)[len(sample) // 2]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # decode steps cost more as the context grows: time them half-way through an answer
     midway = (typical * (1 + opts.max_new_tokens // max(1, len(typical))))[: len(typical) + opts.max_new_tokens // 2]
     probe = [{"prompt_ids": typical, "answer_ids": midway[: opts.max_new_tokens]}]
     costs = measure_target(
-        loaded.model, midway, batch_rows=opts.generation_batch_size, pad_token_id=pad if pad is not None else 0,
+        loaded.model, midway, batch_rows=opts.generation_batch_size,
         feature_seconds_per_token=lambda: forward_seconds_per_token(loaded.model, probe, cfg.target_layer_ids,
                                                                     cfg.max_seq_len, samples=1))
     return plan_stages(opts.max_time, time.monotonic() - started, costs, max_new_tokens=opts.max_new_tokens,
