@@ -50,30 +50,26 @@ def measure_draft(target: PreTrainedModel, draft: DSparkDraftModel, prompts: dic
                BenchMethod("prompt-lookup", "prompt-lookup")]
     records, _ = run_benchmark(target, {"dspark": draft}, prompts, methods, modes=("greedy",),
                                max_new_tokens=max_new_tokens, progress=progress)
-    rows = {(row["dataset"], row["method"]): row for row in summarize(records, block_size=draft.config.block_size)}
+    every = [dataclasses.replace(r, dataset="all") for r in records]
+    rows = {(row["dataset"], row["method"]): row
+            for row in summarize(records + every, block_size=draft.config.block_size)}
     report = {"max_new_tokens": max_new_tokens, "datasets": {}}
     for dataset in prompts:
-        report["datasets"][dataset] = _figures([r for r in records if r.dataset == dataset],
-                                               rows.get((dataset, "dspark"), {}).get("tau"), len(prompts[dataset]))
-    merged = summarize([dataclasses.replace(r, dataset="all") for r in records], block_size=draft.config.block_size)
-    tau_all = next((row.get("tau") for row in merged if row["method"] == "dspark"), None)
-    report["all"] = _figures(records, tau_all, sum(len(p) for p in prompts.values()))
+        report["datasets"][dataset] = _figures(rows, dataset, len(prompts[dataset]))
+    report["all"] = _figures(rows, "all", sum(len(p) for p in prompts.values()))
     return report
 
 
-def _figures(records, tau, prompts: int) -> dict:
-    seconds = {m: sum(r.seconds for r in records if r.method == m and r.error is None) for m in METHODS}
-    tokens = {m: sum(r.new_tokens for r in records if r.method == m and r.error is None) for m in METHODS}
-    rate = {m: tokens[m] / seconds[m] if seconds[m] > 0 else None for m in METHODS}
-    errors = sorted({r.error for r in records if r.error})
-
-    def ratio(a, b):
-        return rate[a] / rate[b] if rate[a] and rate[b] else None
-
-    identical = [r.identical for r in records if r.method == "dspark" and r.identical is not None]
-    return {"prompts": prompts, "tokens_per_s": rate, "speedup": ratio("dspark", "target"),
-            "prompt_lookup_speedup": ratio("prompt-lookup", "target"), "vs_prompt_lookup": ratio("dspark", "prompt-lookup"),
-            "tau": tau, "identical": bool(identical) and all(identical), "errors": errors}
+def _figures(rows: dict, dataset: str, prompts: int) -> dict:
+    """One dataset's report from :func:`~dspark_hf.benchmarks.summary.summarize`'s rows."""
+    dspark, lookup = rows.get((dataset, "dspark"), {}), rows.get((dataset, "prompt-lookup"), {})
+    rate = {m: rows.get((dataset, m), {}).get("tokens_per_s") for m in METHODS}
+    return {"prompts": prompts, "tokens_per_s": rate, "speedup": dspark.get("speedup"),
+            "prompt_lookup_speedup": lookup.get("speedup"),
+            "vs_prompt_lookup": rate["dspark"] / rate["prompt-lookup"] if rate["dspark"] and rate["prompt-lookup"]
+            else None,
+            "tau": dspark.get("tau"), "identical": dspark.get("identical_to_target") is True,
+            "errors": sorted({e for m in METHODS for e in rows.get((dataset, m), {}).get("errors", [])})}
 
 
 def describe(report: dict) -> str:
