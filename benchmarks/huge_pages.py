@@ -7,7 +7,7 @@ Two copies of SmolLM2-135M-Instruct prepared by ``optimize_for_cpu``, one with `
 default: :mod:`dspark_hf.kernels.cpu_huge_pages`) and one with ``huge_pages=False``, each stepping B new
 tokens on its own cached 256-token context, interleaved size by size and round by round (in reverse order
 every other round). In one process, the copy prepared second ran faster than an identical copy prepared
-first (an A/A run of ``benchmarks/row_block_rows.py`` on a 2-core Zen 4: 2-6%), so the comparison runs
+first (an A/A run of two identical copies: 2-6% on a 2-core Zen 4), so the comparison runs
 twice, once with each copy prepared first; the ratio printed last is the geometric mean of the two
 orders' ratios of medians, in which that bias cancels. Both copies' logits are checked to be equal.
 """

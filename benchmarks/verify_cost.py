@@ -34,7 +34,7 @@ op, so compiling on top of ``optimize_for_cpu`` fails). Its compile time is prin
 ``--compile whole`` compiles the whole forward instead, with inductor's freezing (weights become
 constants and inductor packs them for oneDNN itself): one step at a time on a cache that is only
 cropped, as here, it compiles once per step shape; inside ``generate`` it recompiled on every new
-cache stride, keyword set and 0/1 size (docs/benchmarks.md), so it stays a trial.
+cache stride, keyword set and 0/1 size (docs/performance.md), so it stays a trial.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ SUMMARIES = {
     "datagen": "the on-policy corpus: the target answers a prompt plan into resumable shards",
     "train": "train a DSpark (or DFlash) draft for a target, stage by stage (docs/training.md)",
     "evaluate": "accepted length tau and per-position acceptance of drafts, full block verified",
-    "bench": "speed against the target alone and the alternatives, outputs checked (docs/benchmarks.md)",
+    "bench": "speed against the target alone and the alternatives, outputs checked (docs/performance.md)",
     "profile": "measure the target's step rates ahead of time (disk cache)",
     "export": "a Hub-ready, vLLM, speculators or DeepSpec folder from a saved draft (docs/formats.md)",
 }

@@ -111,27 +111,63 @@ def _pair():
     return target, draft
 
 
-def test_one_profile_per_target_and_process_across_batch_sizes(monkeypatch, tmp_path):
-    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path))  # no profile left on disk by earlier tests
+def _count_forwards(target):
+    widths = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: widths.append(
+        (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape), with_kwargs=True)
+    return widths
+
+
+def test_no_call_profiles_the_target_and_the_next_process_starts_from_the_calls_curves(monkeypatch, tmp_path):
+    """A fresh cache, batch sizes 1, 2, 3: every target forward inside generate is the generation's own
+    (a prefill, then one verify forward per round), never a profile's; the cost models start from
+    estimates, and each call caches its corrected curve, which the next process reads as its prior."""
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: pytest.fail("profiled inside generate"))
     target, draft = _pair()
-    calls = []
-    profile = step_rates_module.profile_sps
-    monkeypatch.setattr(step_rates_module, "profile_sps",
-                        lambda *a, **k: calls.append((a[1], k.get("rows", 1))) or profile(*a, **k))
     prompts = torch.randint(3, 48, (3, 6))
     for rows in (1, 2, 3, 2, 1):
         batch = prompts[:rows]
-        expected = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False)
-        got = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=12, do_sample=False,
+        expected = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=30, do_sample=False)
+        widths = _count_forwards(target)
+        got = target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=30, do_sample=False,
                               assistant_model=draft)
+        target._forward_pre_hooks.clear()
         assert got.tolist() == expected.tolist()
-    # Profiled once for one sequence, and once per batch size with that many rows up to its padded
-    # forward (rows x (1 + the longest proposal: 10 lookup tokens)); a batch size seen before reuses it.
-    assert calls == [(shared_cost_module.DEFAULT_PROFILE_TOKENS, 1), (2 * 11, 2), (3 * 11, 3)]
-    for rows, length in ((1, shared_cost_module.DEFAULT_PROFILE_TOKENS), (2, 22), (3, 33)):
-        model = shared_cost_model(target, rows=rows)
-        assert model.prior_length == length and model.num_observations > 0, rows
-    assert shared_cost_model(target, rows=2) is not shared_cost_model(target)
+        rounds = round(sum(1.0 / r.batch_rows for r in draft.last_generation_stats.rounds))
+        assert len(widths) == 1 + rounds, (rows, widths)  # the prefill, then one forward per round
+        assert widths[0] == (rows, 6) and all(shape[0] <= rows and shape[1] <= 11 for shape in widths[1:])
+    models = {rows: shared_cost_model(target, rows=rows) for rows in (1, 2, 3)}
+    assert all(model.estimated and model.num_observations > 0 for model in models.values())
+    assert models[2] is not models[1] and models[2].prior_length == 2 * 11  # rows x (1 + 10 lookup tokens)
+    cached = sorted(p.name for p in (tmp_path / "sps").glob("*.json"))
+    assert len(cached) == 3 and all(json.loads((tmp_path / "sps" / name).read_text())["estimated"] for name in cached)
+    # A new process (no models in memory) starts from the cached curves, still without profiling.
+    shared_cost_module._shared_cost_models.clear()
+    again = shared_cost_model(target)
+    record = json.loads(next((tmp_path / "sps").glob(f"{sps_cache_key(target, 16)}.json")).read_text())
+    assert again is not models[1] and again.estimated and again.num_observations == 0
+    assert again.prior(1) == pytest.approx(1.0 / record["sps"][0])
+    assert record["live_corrected"]["observations"] == models[1].num_observations
+
+
+def test_the_estimated_prior_of_a_batch_follows_the_one_row_curve_and_unseen_sizes_follow_seen_ones():
+    target, _ = _pair()
+    generic = shared_cost_module.estimated_step_seconds(target, 4)
+    growth = shared_cost_module.ESTIMATE_GROWTH_PER_TOKEN["cpu"]
+    assert generic[3] / generic[0] == pytest.approx(1 + 3 * growth)
+    one_row = StepCostModel([0.010, 0.011, 0.012, 0.020], estimated=True)
+    for _ in range(4):
+        one_row.observe(4, 0.040)  # B = 4 costs twice the prior
+    batch = shared_cost_module.estimated_step_seconds(target, 8, known=one_row)
+    assert batch[3] == pytest.approx(0.040) and batch[7] > batch[3]  # the tail grows past the table
+    model = StepCostModel([0.01 * b for b in range(1, 9)])
+    for b, seconds in ((2, 0.02), (6, 0.03)):  # B = 6 is half the prior
+        for _ in range(6):
+            model.observe(b, seconds)
+    low, high = model.log_correction(2), model.log_correction(6)
+    assert model.log_correction(4) == pytest.approx((low + high) / 2)  # between two seen sizes
+    assert model.log_correction(8) == pytest.approx(high) and model.log_correction(1) == pytest.approx(low)
 
 
 def test_a_far_off_cached_profile_is_reported_and_rewritten(tmp_path, caplog):

@@ -48,7 +48,7 @@ def test_readme_mentions_only_paths_that_exist():
     mentioned = set().union(*(_repo_paths(code) for code in _code_in_readme()))
     links = {target.split("#")[0] for target in re.findall(r"\]\(([^)\s]+)\)", README)
              if "://" not in target}
-    assert {"examples/generate.py", "docs/benchmarks.md", "drafts/smollm2-135m-dspark"} <= mentioned | links
+    assert {"examples/generate.py", "docs/performance.md", "drafts/smollm2-135m-dspark"} <= mentioned | links
     missing = sorted(p for p in mentioned | links if not (REPO / p).exists())
     assert not missing, f"README.md names paths that do not exist: {missing}"
 
@@ -95,7 +95,7 @@ def test_readme_results_are_a_measured_table_with_its_command():
     assert "<!-- results" not in results, "the README's results section still holds a placeholder"
     assert re.search(r"\| GSM8K \|( greedy \|)? \*\*\d\.\d\d×\*\*", results), "no measured GSM8K row"
     assert "dspark-hf bench --num-prompts" in results, "the results must give the command that produced them"
-    assert "docs/benchmarks.md" in results
+    assert "docs/performance.md" in results
 
 
 # ----------------------------------------------------------------------------- prompt sets

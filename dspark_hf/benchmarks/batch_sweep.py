@@ -3,7 +3,9 @@ own batched generation, greedy and sampled, with the limit the measured step cur
 
 For each batch size R and mode, at least ``min_prompts`` prompts run as batches of R left-padded
 rows (the prompts taken in turn from the shared sets), target and DSpark back to back per batch in
-an order that alternates, so the machine's drift hits both alike. Per R and mode the row gives both
+an order that alternates, so the machine's drift hits both alike. The first DSpark call with R rows
+and that mode in the process is timed apart from the others (``first_call_*``: the first batch,
+against the target's time on the same batch), then the warm calls run. Per R and mode the row gives both
 throughputs (every row's tokens up to its EOS, over the wall time), their ratio, whether greedy
 outputs are identical, and from DSpark's rounds: tokens per row and round ``tau_batch``, the mean
 verified tokens ``sum_r (1 + k_r)`` and padded forward ``R x W`` per round, the draft's time per
@@ -11,9 +13,9 @@ round, the share of rounds that drafted, and the cost model's drift at the end. 
 
     limit = tau_batch * T(R) / (T(sum_r (1 + k_r)) + T_draft(R))
 
-evaluates the speed-up those rounds could give with no overhead at all, ``T`` read from the
-target's step curve profiled with R rows (the prior of the cost model batches of R rows use) and
-``T_draft`` measured; ``limit_padded``
+evaluates the speed-up those rounds could give with no overhead at all, ``T`` read from the live
+cost model of batches of R rows (its curve as the rounds corrected it) and ``T_draft`` measured;
+``limit_padded``
 puts the padded forward ``T(R x W)`` in place of ``T(sum)``, which is what the batched forward costs.
 """
 
@@ -87,9 +89,8 @@ def run_batch_sweep(
         seconds = {"target": 0.0, "dspark": 0.0}
         tokens = {"target": 0, "dspark": 0}
         identical, figures = True, []
-        warm_ids, warm_mask = left_padded(batches[0], pad_token_id)
-        target.generate(warm_ids, attention_mask=warm_mask, max_new_tokens=2, pad_token_id=pad_token_id,
-                        assistant_model=draft, **MODES[mode])  # untimed: the settings' first-call work
+        first = _first_call(target, draft, batches[0], mode, seed=1000 * turn, max_new_tokens=max_new_tokens,
+                            pad_token_id=pad_token_id, eos_ids=eos_ids)
         for index, batch in enumerate(batches):
             ids, mask = left_padded(batch, pad_token_id)
             outputs = {}
@@ -113,10 +114,9 @@ def run_batch_sweep(
         mean_verified = total.get("verified_tokens", 0) / rounds
         mean_padded = total.get("padded_tokens", 0) / rounds
         draft_per_round = total.get("draft_seconds", 0.0) / rounds
-        # The cost model batches of this size use (profiled with `size` rows, cached; the generate
-        # calls above built it): the limit column reads its prior, the drift column its live state.
-        cost_model = cost_model_covering(target, size * width, rows=size, progress=progress)
-        step_r = cost_model.prior(size)
+        # The cost model batches of this size use (the generate calls above built it and taught it).
+        cost_model = cost_model_covering(target, size * width, rows=size)
+        step_r = cost_model.seconds(size)
         row = {
             "batch_size": size, "mode": mode, "prompts": count, "max_new_tokens": max_new_tokens,
             "target_batched_tokens_per_s": rates["target"], "dspark_batched_tokens_per_s": rates["dspark"],
@@ -125,12 +125,31 @@ def run_batch_sweep(
             "tau_batch": tau, "mean_verified_tokens_per_round": mean_verified,
             "mean_padded_tokens_per_round": mean_padded, "draft_ms_per_round": 1e3 * draft_per_round,
             "drafted_share": total.get("drafted_row_rounds", 0) / max(total.get("row_rounds", 0), 1),
-            "limit": tau * step_r / (cost_model.prior(max(1, round(mean_verified))) + draft_per_round),
-            "limit_padded": tau * step_r / (cost_model.prior(max(1, round(mean_padded))) + draft_per_round),
+            "limit": tau * step_r / (cost_model.seconds(max(1, round(mean_verified))) + draft_per_round),
+            "limit_padded": tau * step_r / (cost_model.seconds(max(1, round(mean_padded))) + draft_per_round),
             "cost_model_drift": cost_model.drift(),
+            **first,
         }
         results.append(row)
     return results
+
+
+def _first_call(target: PreTrainedModel, draft: DSparkDraftModel, batch: list[list[int]], mode: str, *, seed: int,
+                max_new_tokens: int, pad_token_id: int, eos_ids: set) -> dict:
+    """Times DSpark's first call with this batch size and mode in the process (the cost model of its
+    rows, the draft's shapes and the settings are new) and the target alone on the same batch."""
+    ids, mask = left_padded(batch, pad_token_id)
+    seconds, tokens = {}, {}
+    for name in ("dspark", "target"):
+        extra = {"assistant_model": draft} if name == "dspark" else {}
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                              **MODES[mode], **extra)
+        seconds[name] = time.perf_counter() - start
+        tokens[name] = sum(len(trim_after_eos(row, eos_ids)) for row in out[:, ids.shape[1]:].tolist())
+    return {"first_call_seconds": seconds["dspark"], "first_call_target_seconds": seconds["target"],
+            "first_call_speedup": (tokens["dspark"] / seconds["dspark"]) / (tokens["target"] / seconds["target"])}
 
 
 __all__ = ["MODES", "run_batch_sweep"]

@@ -210,8 +210,9 @@ def sweep_and_write(args, target, tokenizer, drafts, prompts, result: dict, out:
                                                       "rows": sweep}, indent=2))
     table = (f"{' and '.join(args.sweep_modes)}, {args.sweep_new_tokens} new tokens per row, at least "
              f"{args.sweep_prompts} prompts per R drawn in turn from {', '.join(args.datasets)}; target and "
-             "DSpark interleaved batch by batch. limit = tau_batch * T(R) / (T(sum(1 + k_r)) + T_draft(R)) from "
-             "the profiled step curve; limit (padded) with T(R x W).\n\n" + batch_sweep_table(sweep))
+             "DSpark interleaved batch by batch. First call: DSpark's first call with that R and mode in the "
+             "process against the target on the same batch (not in the other columns). limit = tau_batch * T(R) / "
+             "(T(sum(1 + k_r)) + T_draft(R)) from the live step curve; limit (padded) with T(R x W).\n\n" + batch_sweep_table(sweep))
     (out / "batch_sweep.md").write_text(header + table)
     plot = plot_batch_sweep(sweep, out)
     print(header + table)

@@ -56,8 +56,8 @@ def multiply_add_rate(size: int = 256, calls: int = 20) -> float:
     """The float32 multiply-add throughput the torch threads get at this moment, in GFLOP/s: the best of
     three batches of ``calls`` products of cache-resident ``size`` x ``size`` matrices.
 
-    On a shared VM it moves with the host's load (on a 2-core Zen 4 VM ``benchmarks/verify_cost.py`` printed
-    163 to 197 in one session). Verify forwards of several tokens
+    On a shared VM it moves with the host's load, by tens of percent within one session
+    (``benchmarks/verify_cost.py`` prints it). Verify forwards of several tokens
     are partly bound by it while one-token steps stream weights from memory, so T(8)/T(1) moves with it;
     benchmarks print it beside such ratios."""
     generator = torch.Generator().manual_seed(0)

@@ -125,8 +125,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
         They enter the draft's context cache when it drafts next (:meth:`_update_draft_context`, one
         call for all of them), so a round that drafts nothing (a plain step, a lookup copy) makes no
-        draft call. Rounds that never draft then cost 1.00-1.02x the target alone instead of
-        1.01-1.07x (SmolLM2, 2-core EPYC; ``benchmarks/round_overhead.py plain``).
+        draft call, and rounds that never draft cost what the target's own steps cost
+        (``benchmarks/round_overhead.py plain``; measured: docs/performance.md).
         """
         cur_len = input_ids.shape[1] + self._embeds_offset  # positions the target has seen, prompt embeds included
         start = self._collected

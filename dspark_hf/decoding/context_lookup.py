@@ -16,9 +16,8 @@ round by expected tokens per second, the scheduler's currency:
   copy's *first* token is accepted, and the chance that each later one is, given the ones before
   were. A copy either is the text's continuation, and then tends to run for many tokens, or is
   not, and then usually fails at once. One rate for every position made a long copy look as
-  doubtful as its first token, so fresh matches were verified one token at a time (on the Zen 3
-  EPYC in bf16, where two tokens cost 1.5 plain steps, 33 of 76 lookup rounds on three
-  copy-heavy prompts verified a single token). Both numbers are kept per match length and per
+  doubtful as its first token, so fresh matches were verified one token at a time where a
+  second token costs much more than the first (measured: docs/performance.md). Both numbers are kept per match length and per
   state: a copy in progress (the previous round verified a lookup proposal and accepted all of
   it) is far likelier to go on than a fresh match. With the scheduler's step-rate table this
   gives the best proposal length ``l`` and its value ``Theta_lookup = SPS(1 + l) * E[accepted + 1]``,
@@ -107,8 +106,8 @@ class ContextLookup:
         if limit < 1:
             return None
         window = sequence[-self.search_window:]
-        # The search runs on the host in numpy: a few small array ops per n-gram length, several
-        # times cheaper per round than the same ops as torch calls (benchmarks/lookup_match_cost.py).
+        # The search runs on the host in numpy: a few small array ops per n-gram length, cheaper
+        # per round than the same ops as torch calls (benchmarks/lookup_match_cost.py).
         ids = window.detach().cpu().numpy()
         length = ids.shape[0]
         for n in range(min(self.max_ngram, length - 1), 0, -1):

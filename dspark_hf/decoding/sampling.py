@@ -123,9 +123,9 @@ def column_vocab_ids(draft: DSparkDraftModel, do_sample: bool, logits_processor:
     subset) is the argmax of its N columns mapped to target ids, ties included: ``draft_vocab_ids``
     is strictly increasing (checked at load), so the first maximum is the same token either way.
     Working on N columns skips two vocabulary-wide scatters and a vocabulary-wide argmax per
-    position and scatters the block's logits once at the end: a 7-position block of the shipped
-    SmolLM2 draft (N = 16,384 of V = 49,152) took 3.4 instead of 4.3 ms in fp32 on a 2-core EPYC
-    (``benchmarks/round_overhead.py serial``).
+    position and scatters the block's logits once at the end, which makes the shipped SmolLM2
+    draft's block (N = 16,384 of V = 49,152) measurably cheaper (``benchmarks/round_overhead.py
+    serial``; measured: docs/performance.md).
 
     Sampling draws over the N columns too when the caller verifies with the loop's own
     probabilities (``exact_probabilities``) and the processors act on each logit alone (none, or

@@ -153,8 +153,8 @@ def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = No
     the distribution of ``torch.multinomial(probs, 1)``, by the inverse CDF at a float64 uniform.
 
     Why not ``torch.multinomial``: on CPU it draws V exponential variates per row (the
-    exponential-race trick), about 1 ms per row at V = 49,152 on a 2-core EPYC, while a cumulative
-    sum and a binary search take a tenth of that; the serial loop draws at every draft position and
+    exponential-race trick), while a cumulative sum and a binary search cost a fraction of that
+    (measured: docs/performance.md); the serial loop draws at every draft position and
     the batched loop for every row each round. The sum runs in float64 and the uniform has 53 random
     bits, so every token's probability is matched to float64 rounding (a zero weight is never drawn,
     because the search returns the first index whose cumulative sum exceeds the target). Off the CPU

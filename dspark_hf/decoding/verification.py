@@ -8,9 +8,8 @@ a full acceptance). It serves the batched loop directly and, through
 Why batch 1 needs it: transformers' ``_assisted_decoding`` verifies a sampled round in its module
 function ``_speculative_sampling`` when the candidate generator returns logits, and otherwise draws
 *every* position from the target with ``torch.multinomial`` and keeps the matching prefix. On CPU
-``torch.multinomial`` draws V exponential variates per row, about 1.1 ms per row at V = 49,152 on a
-2-core EPYC, so a 10-token context-lookup copy paid about 11 ms of drawing, more than half a
-SmolLM2 step, and a plain step 1.1 ms. Inside a DSpark call (:func:`dspark_sampled_verification`)
+``torch.multinomial`` draws V exponential variates per row, so a 10-token context-lookup copy paid
+more for drawing than half a SmolLM2 step (measured: docs/performance.md). Inside a DSpark call (:func:`dspark_sampled_verification`)
 the candidate generator therefore returns logits for every sampled round (a point mass for a lookup
 copy, empty ones for a plain step and for the prefill's token) and :func:`install_sampled_verification` routes
 ``_speculative_sampling`` to :func:`verify_sampled_round`: the same rule, one draw per round
@@ -35,8 +34,8 @@ logger = logging.get_logger(__name__)
 
 class _DSparkCall:
     """What one batch-1 DSpark generate call handed transformers this round, for the verification:
-    a lookup copy's point mass (its shape), so that verifying it skips a softmax of one-hot rows (2 ms
-    for a 10-token copy at V = 49,152 on a 2-core Zen 4), or the exact distributions the drafted
+    a lookup copy's point mass (its shape), so that verifying it skips a softmax of one-hot rows
+    (a vocabulary-wide pass per copied token), or the exact distributions the drafted
     tokens were drawn from (the serial loop may have drawn them over a reduced vocabulary's columns,
     where the softmax of the logits can differ in the last bit; and recomputing it would cost a
     vocabulary-wide softmax per position). Set when the round's logits are made and forgotten when

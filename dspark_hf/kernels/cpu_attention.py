@@ -4,9 +4,9 @@ transformers' ``sdpa`` attention runs grouped-query attention (fewer key/value h
 heads) in one of three ways. For one query token it regroups the query; without a mask it lets
 PyTorch's SDPA broadcast the key/value heads (``enable_gqa=True``); with a mask and several query
 tokens - every verify forward of speculative decoding - it calls ``repeat_kv``, which copies the
-whole cached key and value tensors ``n_rep`` times in every layer, every step. On a 256-token
-context that copy made a verify of 2 to 16 tokens of SmolLM2-135M about 3 ms slower (about 10%
-of the step; ``benchmarks/verify_cost.py``), for logits that came out bit-identical.
+whole cached key and value tensors ``n_rep`` times in every layer, every step. That copy made
+SmolLM2-135M's verify forwards measurably slower (``benchmarks/verify_cost.py``), for logits that
+came out bit-identical.
 (transformers keeps the copy because on CUDA a masked ``enable_gqa`` call falls back to a slow
 kernel; PyTorch's CPU kernel takes it directly.)
 
@@ -17,10 +17,10 @@ is done through transformers' public ``AttentionInterface`` and ``set_attn_imple
 it is per model and undone by ``model.set_attn_implementation("sdpa")``.
 
 One more case is rerouted: a one-token step in bfloat16 or float16. SDPA's grouped-query broadcast
-(``enable_gqa``) with a single query token ran 4x slower than the same attention with the query heads
-regrouped under their key/value head (``(B, H, 1, D)`` viewed as ``(B, H_kv, H / H_kv, D)``, the same
-numbers: 139 against 33 µs per layer for SmolLM2 in bf16 on an AMD EPYC, 12% of a decode step); in
-float32 the broadcast was the faster, so float32 keeps it.
+(``enable_gqa``) with a single query token ran several times slower than the same attention with the
+query heads regrouped under their key/value head (``(B, H, 1, D)`` viewed as ``(B, H_kv, H / H_kv, D)``,
+the same numbers; measured: docs/performance.md); in float32 the broadcast was the faster, so float32
+keeps it.
 
 Where the compiled CPU extension runs (:mod:`dspark_hf.kernels.cpu_extension`, x86 with AVX2), steps of
 up to :data:`FEW_QUERY_MAX_TOKENS` query tokens over a cache - decode steps and verify forwards - go

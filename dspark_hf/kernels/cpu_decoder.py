@@ -1,10 +1,10 @@
 """A lean decoder forward: the model's own layers, without the framework's per-call cost.
 
 A one-token step of a small model on a CPU spends much of its time outside the kernels. In a
-SmolLM2-135M step with packed weights (2-core AMD EPYC Zen 3) the linear kernels took about 55%;
-the rest was spread thin over ~450 ``nn.Module`` calls, decorators, keyword plumbing and small ops
-(``cProfile``, none over 4%). Compiling would remove it, but inside ``generate`` the compiled target
-recompiled on every new cache stride and keyword set (docs/benchmarks.md).
+SmolLM2-135M step with packed weights the linear kernels took little more than half; the rest was
+spread thin over ~450 ``nn.Module`` calls, decorators, keyword plumbing and small ops (``cProfile``).
+Compiling would remove it, but inside ``generate`` the compiled target recompiled on every new cache
+stride and keyword set (a trial; docs/performance.md).
 
 :func:`use_lean_decoder` gives a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3 with full
 attention) a forward that runs the same computation in one plain loop: each layer's own
@@ -16,10 +16,10 @@ call (float32; each norm is checked on random inputs) and a rolled rotation for 
 (``(-a) * b == a * (-b)`` exactly). Where dspark_hf's CPU extension builds, the norms and the
 rotation run as single compiled calls with PyTorch's own roundings and summation order
 (``csrc/cpu_rms_norm.cpp``, ``csrc/cpu_rotary.cpp``): each replaces 7-9 small ops whose dispatch cost
-far more than their arithmetic (SmolLM2 steps of 1-16 tokens 4-16% faster in bf16 and 0-6% in fp32,
-where torch's fused ``rms_norm`` already served, on a 2-core Zen 4: ``benchmarks/verify_cost.py
---compare-lean-ops``). The norm's summation width is the one that reproduces this torch build on
-random rows, and the kernel is not used where none does. A probe runs a prefill and two cached steps
+far more than their arithmetic (the gain is largest in bf16, smaller in fp32, where torch's fused
+``rms_norm`` already served: ``benchmarks/verify_cost.py --compare-lean-ops``; measured: docs/performance.md). The norm's
+summation width is the one that reproduces this torch build on random rows, and the kernel is not used
+where none does. A probe runs a prefill and two cached steps
 both ways and requires equal outputs bit for bit: if the shortcuts differ the
 model's own norm and rotary functions are used; if the loop still differs it is not installed
 (logged). A third shortcut, checked by the same probe, writes each step's keys and values into spare
@@ -261,7 +261,7 @@ def _lean_forward(base: nn.Module, *args, **kwargs) -> BaseModelOutputWithPast:
     collected = [] if selected is not False else None
     if collected is not None:
         collected.append(hidden_states if selected is None or 0 in selected else None)
-    # islice, not base.layers[:n]: slicing a ModuleList builds a new one (130 us for SmolLM2's 30 layers).
+    # islice, not base.layers[:n]: slicing a ModuleList builds a new one (a visible cost every step).
     for index, layer in enumerate(itertools.islice(base.layers, base.config.num_hidden_layers)):
         parts = layer._modules
         residual = hidden_states

@@ -46,7 +46,8 @@ def _cpu_problem() -> str | None:
 def build_extension(source_dir: Path = SOURCE_DIR, name: str = EXTENSION_NAME, build_dir: Path | None = None,
                     verbose: bool = False):
     """Compiles (or loads the cached build of) the extension from ``source_dir``; raises on failure.
-    Another ``source_dir`` and ``name`` build an older version beside it (``benchmarks/row_block_rows.py``)."""
+    Another ``source_dir`` and ``name`` build an older version beside it (``benchmarks/verify_cost.py
+    --attention-baseline``)."""
     from torch.utils import cpp_extension
 
     build_dir = build_dir or extension_dir() / "cpu_kernels"

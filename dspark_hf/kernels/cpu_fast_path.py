@@ -3,12 +3,12 @@
 Decoding is memory-bound: a forward of 1 to 16 new tokens reads the same weights, so it should
 cost about the same. With torch's default CPU path it does not. ``F.linear`` goes to MKL's sgemm,
 which re-packs the weight matrix on every call for small batches. A verify forward of several
-tokens then costs 1.5-1.9x a one-token step, which makes most drafted tokens too expensive to
+tokens then costs far more than a one-token step, which makes most drafted tokens too expensive to
 verify. Where each kernel is fast depends on the processor: on one AMD machine MKL's one-row GEMV
-ran at half oneDNN's speed; on an Intel Xeon (AVX-512) its GEMV for 1-3 rows beat oneDNN and only
-4+ rows fell off the cliff (benchmarks/verify_cost.py). So each packed layer keeps ``F.linear`` for
-small inputs and picks its packed kernel and the number of input rows from which it is used from
-timings taken once per weight shape on this machine (:func:`measure_packed_kernel`).
+was much slower than oneDNN's; on an Intel Xeon (AVX-512) its GEMV for 1-3 rows beat oneDNN and only
+4+ rows fell off the cliff (benchmarks/verify_cost.py; measured: docs/performance.md). So each packed
+layer keeps ``F.linear`` for small inputs and picks its packed kernel and the number of input rows from
+which it is used from timings taken once per weight shape on this machine (:func:`measure_packed_kernel`).
 
 Two packed kernels compete:
 
@@ -22,10 +22,10 @@ Two packed kernels compete:
   ``..._fp16_supported()``: avx512-bf16 or AMX kernels), else as float32 copies, with their own probe.
 * the row-block kernel (:mod:`dspark_hf.kernels.cpu_row_block`): compiled on first use for x86 CPUs
   with AVX2, with AVX-512 and AVX-512 BF16 paths where the CPU has them; weights in 16-column blocks in
-  their own dtype, no fixed per-call cost, and a row's result independent of its batch. On the
-  AVX2-only Zen 3 SmolLM2's fp32 one-token step ran 1.30-1.55x faster with it than with oneDNN's
-  kernel in two runs (bf16 1.12-1.32x, without a float32 copy of the weights); on an AVX-512 Zen 4
-  1.53x in fp32 and 1.74x in bf16 (``benchmarks/verify_cost.py --compare-onednn``).
+  their own dtype, no fixed per-call cost, and a row's result independent of its batch. On the AMD
+  CPUs measured (AVX2-only and AVX-512) SmolLM2's one-token step ran faster with it than with oneDNN's
+  kernel in fp32 and in bf16, without a float32 copy of bf16 weights (``benchmarks/verify_cost.py
+  --compare-onednn``; measured: docs/performance.md).
 
 What stays the same: parameters (the packed copy is a plain attribute, not a parameter or buffer,
 so ``state_dict``/``save_pretrained`` write the ordinary weights), tied weights (the embedding
@@ -36,8 +36,8 @@ tensor's identity and version counter and packs it again.
 
 A float32 model loaded from a checkpoint stored in bfloat16 or float16 (most on the Hub) holds only values of that
 dtype: the row-block kernel then streams 16-bit copies of its weights, widened back to the same float32 values in
-registers, with the same results bit for bit (``narrow_weights``; SmolLM2 fp32 holding bfloat16 values: one-token
-steps 0.66-0.80 of their time with float32 copies, ``benchmarks/narrow_packing.py``).
+registers, with the same results bit for bit and half the bytes to stream (``narrow_weights``;
+``benchmarks/narrow_packing.py``; measured: docs/performance.md).
 
 Cost: one extra copy of every packed weight (for SmolLM2-135M about 540 MB next to the model's
 540 MB, half that in 16-bit copies; twice the weight's own size for oneDNN's float32 copy of half-precision

@@ -4,10 +4,9 @@ A decode step streams every packed weight from memory once. On 4 KB pages that s
 boundary every 4 KB (SmolLM2-135M's float32 copies span about 135,000 pages, far more than the TLB
 holds), and the CPU's hardware prefetchers stop at page boundaries. :func:`optimize_for_cpu` therefore
 copies the row-block kernel's packed weights into one buffer that starts on a 2 MB boundary and asks
-Linux to back it with huge pages (``madvise(MADV_HUGEPAGE)``). On a 2-core AMD EPYC Zen 4 a prepared
-SmolLM2 step took 0.92-0.94 of its time on ordinary pages at one token and 0.96-0.98 at eight in float32
-(three runs of ``benchmarks/huge_pages.py``), and 0.96 and 0.92-0.95 in bfloat16 (two runs; a third, on a
-busy spell of the VM, 1.00 and 0.99); docs/benchmarks.md.
+Linux to back it with huge pages (``madvise(MADV_HUGEPAGE)``). Prepared SmolLM2 steps take a few percent
+less time than on ordinary pages, in float32 and bfloat16 (``benchmarks/huge_pages.py``; measured:
+docs/performance.md).
 
 The bytes are copied unchanged, so results are the same bit for bit; only where the weights live changes.
 Where Linux offers no transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` set to

@@ -20,11 +20,10 @@ itself: a prefill, then four tokens verified at once against four one-token step
 for bit, else the switch is undone and ``ValueError`` says so.
 
 Cost: k attention calls per layer instead of one for a k-token verify, and the row-block kernel
-even where another kernel would be faster. SmolLM2 at a 256-token context on an AVX2 Zen 3
-(``benchmarks/verify_cost.py --compare-invariant``): a verify of 2 / 4 / 8 / 16 tokens took 1.06 /
-1.18 / 1.35 / 1.50x as long in bf16 and 1.06 / 1.16 / 1.28 / 1.52x in fp32 (where the two already agree
-within rounding); one-token steps cost the same. The prompt's prefill runs as before (it is the same
-forward with and without a draft).
+even where another kernel would be faster: on an AVX2-only CPU the extra cost of a verify grows with
+its tokens, while one-token steps cost the same (``benchmarks/verify_cost.py --compare-invariant``;
+measured: docs/performance.md). The prompt's prefill runs as before (it is the same forward with and
+without a draft).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ the strides of the key and value tensors handed to attention change, and the lea
 that outputs stay equal bit for bit before it uses this (:mod:`dspark_hf.kernels.cpu_decoder`). Where the
 compiled CPU extension is loaded, one call checks and writes both and returns the views
 (``csrc/cpu_kv_append.cpp``); from Python the checks and four ops cost as much as the concatenation on a
-256-token context. Step times, in place over concatenated, on a 2-core Zen 4: 0.88-0.98 at 256-2,048
-tokens (``benchmarks/kv_append.py``, docs/benchmarks.md).
+256-token context. Compiled, it takes a few percent off steps at 256 to 2,048 tokens of context
+(``benchmarks/kv_append.py``; measured: docs/performance.md).
 
 It runs only inside the lean forward (no gradients) and only on plain ``DynamicLayer`` layers of a
 cache that is not offloaded; every other layer type goes through its own ``update``.

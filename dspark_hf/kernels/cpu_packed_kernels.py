@@ -25,8 +25,8 @@ from . import cpu_huge_pages, cpu_row_block, kernel_choices
 logger = logging.get_logger(__name__)
 
 # oneDNN chooses its blocked weight layout for an expected number of input rows; verify steps run
-# 1 to ~16 rows. A hint of 1 makes 2+ rows cost 2-3x one row on the reference CPU; 4 to 16 keep
-# 2 rows at the cost of 1 and 8 rows at ~1.5x (benchmarks/verify_cost.py).
+# 1 to ~16 rows. A hint of 1 makes 2+ rows cost several times one row; 4 to 16 keep 2 rows at about
+# the cost of 1 and 8 rows well below 8 (benchmarks/verify_cost.py; measured: docs/performance.md).
 _BATCH_SIZE_HINT = 16
 ONEDNN, ROW_BLOCK = "onednn", "row_block"
 PACKED_KERNELS = (ONEDNN, ROW_BLOCK)
@@ -36,9 +36,9 @@ _PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 _PACKED_MARGIN = 0.9
 # A decode step streams every weight from memory, so the probe times weights that are not in cache:
 # each timing batch cycles through copies totalling this many bytes, past the last-level cache of
-# the CPUs measured (32 MB on the Zen 3 EPYC). Timed on one cache-hot copy, the float32 copies of
-# bf16 weights (twice the bytes) looked faster from 2 input rows on that CPU; read from memory they
-# were slower at 2 rows, and a bf16 verify of 2 tokens came out 8-11% slower than stock.
+# the CPUs measured. Timed on one cache-hot copy, the float32 copies of bf16 weights (twice the
+# bytes) looked faster from 2 input rows on an AVX2-only CPU; read from memory they were slower at
+# 2 rows, and a bf16 verify of 2 tokens came out slower than stock (measured: docs/performance.md).
 _PROBE_BYTES = 64 * 2**20
 _MAX_PROBE_COPIES = 100
 # (out_features, in_features, threads, dtype, candidate kernels) -> (packed kernel, fewest input rows for which it is faster).
@@ -191,8 +191,8 @@ def measure_packed_kernel(weight: torch.Tensor, kernels: tuple[str, ...] = PACKE
             # The crossover is the smallest size from which the kernel wins at every larger probed size,
             # so sizes are measured from the largest down, to the first that loses. A size that lost is
             # measured once more: one busy moment at a middle size would otherwise push the crossover
-            # past it (a 192x576 bf16 layer's came out 1, 6 or 8 in repeated single-pass probes while its
-            # packed kernel was 15-35% faster at every size).
+            # past it (repeated single-pass probes of one bf16 layer gave crossovers from 1 to 8 rows while
+            # its packed kernel was faster at every size).
             min_rows = _PROBE_ROWS[-1] + 1
             for rows in reversed(_PROBE_ROWS):
                 if not (packed_wins_at(rows) or packed_wins_at(rows)):

@@ -2,7 +2,7 @@
 
 A decode step runs 1 to ~16 input rows through every weight matrix, so it should cost what reading
 the weights costs, whatever the number of rows. oneDNN's packed kernel pays a fixed cost per call
-(about 30 us at one row on a Zen 3 EPYC) and MKL's sgemm repacks the weight per call; on CPUs without
+(large beside a one-row product of a small model's weights) and MKL's sgemm repacks the weight per call; on CPUs without
 bfloat16 instructions neither has a bfloat16 kernel, so a bfloat16 model falls back to a float32 copy
 of its weights (twice the bytes to stream). This kernel (``csrc/cpu_row_block_linear.cpp``) stores
 the weight once in 16-column blocks in its own dtype (float32, bfloat16 or float16, widened in
@@ -157,12 +157,11 @@ def _pack_for_isa(weight: torch.Tensor, isa: str | None) -> torch.Tensor:
 
 
 # Tried in this order where both hold a weight exactly (often: SmolLM2's bfloat16 values all fit float16), per
-# instruction-set path, from whole forwards of SmolLM2 fp32 holding bfloat16 values on a 2-core Zen 4 running each
-# path (benchmarks/narrow_packing.py, results/narrow_packing_zen4_*.json). AVX-512: both 16-bit packings took
-# 0.69-0.91 of float32 packing's time at 1-8 tokens; from 12 tokens on bfloat16 pairs 0.93-0.96 (one run 1.03 at 16)
-# and float16 1.02-1.06, so bfloat16 comes first. AVX2: float16 0.63-0.98 and bfloat16 0.66-0.99 at 1-16 tokens,
-# float16 ahead or level from 4 tokens on, so float16 comes first. A float16-only weight under AVX-512 is still
-# packed in float16: decoding steps of 1-8 tokens gain far more than 12+ tokens lose.
+# instruction-set path, from whole forwards of SmolLM2 fp32 holding bfloat16 values running each path
+# (benchmarks/narrow_packing.py; measured: docs/performance.md). AVX-512: both 16-bit packings are faster than
+# float32 packing at 1-8 tokens; from 12 tokens on bfloat16 pairs keep up and float16 falls behind, so bfloat16
+# comes first. AVX2: float16 is ahead or level from 4 tokens on, so float16 comes first. A float16-only weight
+# under AVX-512 is still packed in float16: decoding steps of 1-8 tokens gain far more than 12+ tokens lose.
 _NARROW_ORDER = {"avx2": (torch.float16, torch.bfloat16), "avx512": (torch.bfloat16, torch.float16),
                  "avx512_bf16": (torch.bfloat16, torch.float16)}
 _narrow_checks: dict[tuple[str, torch.dtype], bool] = {}

@@ -1,8 +1,8 @@
 """A disk cache of the packed-kernel choices :func:`~dspark_hf.kernels.cpu_packed_kernels.measure_packed_kernel` makes.
 
-Timing every weight shape against every kernel takes most of ``optimize_for_cpu``'s time (SmolLM2
-on a 2-core Zen 3: 14-18 s the first time, 0.4-0.7 s in a later process that reads the choices
-from here). The choice depends on the processor, the torch build, the thread count and the kernels'
+Timing every weight shape against every kernel takes most of ``optimize_for_cpu``'s time (seconds
+for SmolLM2 the first time, a small fraction of that in a later process that reads the choices from
+here; README, "CPU fast path"). The choice depends on the processor, the torch build, the thread count and the kernels'
 code, not on the weights' values, so it is kept in ``<cache>/kernel_choices/<environment>.json``
 (``<cache>``: :func:`dspark_hf.cache_dir.default_cache_dir`) and a later process on the same machine
 reads it instead of timing again. The file name is a digest of the CPU model and instruction-set

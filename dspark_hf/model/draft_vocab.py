@@ -151,8 +151,8 @@ def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCac
         # Outside inference mode even when called inside it: an inference tensor cannot be packed
         # (packing tracks the weight's version) nor reused outside inference mode later.
         with torch.inference_mode(False), torch.no_grad():
-            # Built on the meta device: a random init of the N rows only to overwrite them took
-            # 140 ms for SmolLM2's 16,384 rows on a 2-core EPYC, in the first admitted round.
+            # Built on the meta device: a random init of the N rows only to overwrite them was a
+            # visible delay in the first admitted round (measured: docs/performance.md).
             rows = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device="meta", dtype=weight.dtype)
             rows.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)), requires_grad=False)
             if bias is not None:
@@ -185,8 +185,8 @@ def scatter_to_vocab(values: torch.Tensor, ids: torch.LongTensor, vocab_size: in
     """``values`` (..., N) placed at columns ``ids`` of a (..., vocab_size) tensor filled with ``fill``
     (``-inf`` for logits, 0 for the Markov bias)."""
     full = values.new_full((*values.shape[:-1], vocab_size), fill)
-    # scatter_, not index_copy_ (the same for unique ids): 27 against 62 µs for one 16,384-wide row on CPU
-    # (benchmarks/op_costs.py).
+    # scatter_, not index_copy_ (the same for unique ids): the faster of the two for a draft-vocabulary
+    # row on CPU (benchmarks/op_costs.py; measured: docs/performance.md).
     return full.scatter_(-1, ids.to(values.device, torch.long).expand(values.shape), values)
 
 

@@ -19,7 +19,11 @@ real change of machine state wins once it holds for half a window):
   weighted ``n / (n + shrinkage)`` against ``g`` after ``n`` observations, so a size seen once does
   not override what all rounds say.
 
-``T(B) = prior(B) * exp((1 - w_B) * g + w_B * m_B)``. The table handed to the scheduler is made
+``T(B) = prior(B) * exp((1 - w_B) * g + w_B * m_B)``. A size no round has verified takes its
+correction from the observed sizes around it (linear in ``B`` between two, the nearest one's beyond
+them), so a prior whose shape is off (an estimate made without running the model, see
+:func:`dspark_hf.scheduling.shared_cost.estimated_step_seconds`) is bent towards what the rounds
+measured at every size, not only where they measured. The table handed to the scheduler is made
 non-decreasing in ``B`` with :func:`monotone_step_times`, as the profile is.
 
 Losslessness does not depend on any of this: the scheduler reads the table once at the start of a
@@ -28,6 +32,7 @@ round, and the table only holds times of earlier rounds.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import threading
@@ -35,6 +40,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 __all__ = ["StepCostModel", "monotone_step_times"]
+
+# Least growth per token past the end of a prior table, as a share of its last entry.
+MIN_TAIL_SLOPE = 0.01
 
 
 def monotone_step_times(times: Sequence[float]) -> list[float]:
@@ -80,6 +88,9 @@ class StepCostModel:
         on_drift: called as ``on_drift(model)`` (outside the lock) when the live estimate has
             moved from the last reported state by more than ``drift_threshold``, e.g. to warn and
             rewrite a cached profile.
+        estimated: the prior was estimated without timing the model (not a profile): its level
+            and shape are guesses the rounds are expected to correct, so drifting from it is no
+            news (:attr:`estimated` is read by whoever reports drift).
 
     Thread-safe: several ``generate`` calls may share one model (it belongs to the target, not to
     one call).
@@ -95,6 +106,7 @@ class StepCostModel:
         drift_threshold: float = 1.5,
         min_observations: int = 16,
         on_drift: Callable[["StepCostModel"], None] | None = None,
+        estimated: bool = False,
     ) -> None:
         prior = [float(t) for t in prior_seconds]
         if not prior or not all(math.isfinite(t) and t > 0 for t in prior):
@@ -110,6 +122,7 @@ class StepCostModel:
         self.drift_threshold = drift_threshold
         self.min_observations = min_observations
         self.on_drift = on_drift
+        self.estimated = estimated
         self._lock = threading.Lock()
         self._observations = 0
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # (B, seconds), any B
@@ -117,6 +130,7 @@ class StepCostModel:
         self._size_window = size_window
         self._global = 0.0
         self._by_size: dict[int, float] = {}  # (1 - w) * g + w * m_B for observed sizes
+        self._observed_sizes: list[int] = []  # sorted keys of _by_size
         self._reported: dict[int, float] = {}  # log corrections when on_drift was last called
         self._tables: dict[int, tuple[float, ...]] = {}  # memoised sps tables per length
 
@@ -132,15 +146,44 @@ class StepCostModel:
         return self._observations
 
     def prior(self, num_tokens: int) -> float:
-        """Prior seconds for ``num_tokens`` tokens (linear growth beyond the profiled table)."""
+        """Prior seconds for ``num_tokens`` tokens; beyond the table, an affine extension with the
+        slope of the table's second half (a forward's fixed part does not grow with ``B``, so
+        scaling the last entry with ``B`` would overstate large batched forwards several times)."""
         n = len(self._prior)
         if num_tokens <= n:
             return self._prior[num_tokens - 1]
-        return self._prior[-1] * num_tokens / n
+        return self._prior[-1] + self._tail_slope * (num_tokens - n)
+
+    @property
+    def _tail_slope(self) -> float:
+        n = len(self._prior)
+        half = (n + 1) // 2
+        slope = (self._prior[-1] - self._prior[half - 1]) / (n - half) if n > half else 0.0
+        # A flat table (a GPU below its compute bound) still grows somewhere past its end.
+        return max(slope, self._prior[-1] * MIN_TAIL_SLOPE)
 
     def log_correction(self, num_tokens: int) -> float:
-        """Log of the live estimate over the prior at ``B = num_tokens``."""
-        return self._by_size.get(num_tokens, self._global)
+        """Log of the live estimate over the prior at ``B = num_tokens``: the size's own level
+        when rounds verified it, else interpolated between the observed sizes around it."""
+        sizes = self._observed_sizes
+        by_size = self._by_size
+        own = by_size.get(num_tokens)
+        if own is not None:
+            return own
+        if not sizes:
+            return self._global
+        index = bisect.bisect_left(sizes, num_tokens)
+        if index == 0:
+            return by_size[sizes[0]]
+        if index == len(sizes):
+            return by_size[sizes[-1]]
+        lo, hi = sizes[index - 1], sizes[index]
+        share = (num_tokens - lo) / (hi - lo)
+        return (1.0 - share) * by_size[lo] + share * by_size[hi]
+
+    def observed_sizes(self) -> list[int]:
+        """The forward sizes ``B`` the recent rounds verified (sorted)."""
+        return list(self._observed_sizes)
 
     def seconds(self, num_tokens: int) -> float:
         """Current estimate of ``T(B)`` before the monotone fit."""
@@ -194,11 +237,15 @@ class StepCostModel:
     def _update_levels_locked(self) -> None:
         """The global and per-size log corrections from the recent observations (caller holds the lock)."""
         self._global = statistics.median(math.log(t / self.prior(b)) for b, t in self._recent)
-        self._by_size = {}
+        by_size = {}
         for size, times in self._recent_by_size.items():
             weight = len(times) / (len(times) + self.shrinkage)
             local = statistics.median(math.log(t / self.prior(size)) for t in times)
-            self._by_size[size] = (1.0 - weight) * self._global + weight * local
+            by_size[size] = (1.0 - weight) * self._global + weight * local
+        # Readers take the sizes first, then the levels (log_correction): sizes only ever gain
+        # members, so the levels they then read hold every size they were given.
+        self._by_size = by_size
+        self._observed_sizes = sorted(by_size)
         self._tables = {}
 
     def _drifted_locked(self) -> bool:

@@ -50,8 +50,8 @@ class DraftingGate:
         probe_budget: the largest share of time probes may add while drafting is off.
         warmup_rounds: the first drafted rounds of a call, whose timings the gate does not record.
             The first use of the draft's and the verify's shapes in a process includes one-off
-            work (at ``R = 4`` on a 2-core CPU the first drafted round took 0.26 s, the next ones
-            0.06-0.07 s): counted, it turned drafting off for a whole call whose drafting paid.
+            work, several times a later round's time (measured: docs/performance.md): counted, it
+            turned drafting off for a whole call whose drafting paid.
         margin: drafting stays on while its rate is at least ``1 + margin`` times the plain rate.
             Batched generation's default gate uses :data:`BATCHED_GATE_MARGIN`: a batched round
             that speculates is all but a tie with a plain one at large batches, and a tie lost
@@ -87,8 +87,7 @@ class DraftingGate:
     def for_batches(cls) -> "DraftingGate":
         """The gate batched generation makes by default. The draft runs for every row, so a
         speculating round that verifies little costs far more than a plain batched step at large
-        ``R`` (``benchmarks/batched_variants.py``, ``R = 16`` on a 2-core CPU: 0.57-0.63 s of
-        drafting per call, a plain step about 0.115 s); so the gate learns from 2 rounds (after
+        ``R`` (``benchmarks/batched_variants.py``; measured: docs/performance.md); so the gate learns from 2 rounds (after
         its warm-up round) instead of 4, probes within 1% of the plain rounds' time instead of 2%,
         and speculates only while it beats plain steps by :data:`BATCHED_GATE_MARGIN`."""
         return cls(min_rounds=2, probe_budget=0.01, margin=BATCHED_GATE_MARGIN)

@@ -482,7 +482,7 @@ class PrefixScheduler(VerifyPolicy):
         prefix survivals ``a_{r,j}`` of every row that has a position ``j``, and stops at the
         first column that does not improve it (the early stop that keeps it lossless). At
         ``R = 1`` this is :meth:`admit`. Visiting single candidates instead made one candidate pay
-        for a column alone, which in an ``R = 8`` batch on a 2-core CPU never happened.
+        for a column alone, which in a batch of several rows on CPU hardly ever happened.
         ``min_width``: see :meth:`VerifyPolicy.admit_batch`; positions inside it are free.
         """
         return self._admit_many(confidences_per_request, None, min_width)

@@ -193,14 +193,14 @@ def _load_cached(directory: Path, base_key: str, max_tokens: int) -> tuple[list[
             with open(path, encoding="utf-8") as f:
                 record = json.load(f)
         except (OSError, ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
-            logger.warning("Ignoring unreadable SPS cache file %s (%s); it will be re-profiled.", path,
+            logger.warning("Ignoring unreadable SPS cache file %s (%s); it will be replaced.", path,
                            type(error).__name__ if isinstance(error, RecursionError) else error)
             continue
         table = record.get("sps") if isinstance(record, dict) else None
         if _valid_table(table, max_tokens):
             return [float(v) for v in table[:max_tokens]], path
         logger.warning("Ignoring invalid SPS cache file %s (step rates must be positive, non-increasing and give "
-                       "finite step times); it will be re-profiled.", path)
+                       "finite step times); it will be replaced.", path)
     return None
 
 

@@ -1,14 +1,12 @@
 // Attention for a few query tokens over a KV cache (decode steps and verify forwards) on x86 CPUs with
 // AVX2 + FMA, built with the row-block kernel by dspark_hf/kernels/cpu_extension.py.
 //
-// PyTorch's CPU SDPA kernel is built for long sequences: for one query token over 256 cached tokens it
-// spent 25-50 us per layer of SmolLM2 on an AMD EPYC (bf16: 140 us with grouped heads broadcast), most
-// of it fixed cost, for about 0.3 M multiply-adds. Here the queries that share a key/value head (its
-// query heads times the tokens) are taken in blocks of up to three: each key and value row is loaded
-// once per block and feeds all its queries, the softmax is float32, and threads split the blocks.
-// (Against one query at a time this took a verify of 8 tokens over 256 keys from 56 to 39 us per
-// SmolLM2 layer in float32 and from 68 to 50 us in bfloat16 on a 2-core AMD EPYC Zen 4:
-// benchmarks/attention_kernel.py --baseline-source, results/attention_kernel_zen4.json.)
+// PyTorch's CPU SDPA kernel is built for long sequences: for one query token over 256 cached tokens
+// most of its time per layer of SmolLM2 is fixed cost, for about 0.3 M multiply-adds. Here the queries
+// that share a key/value head (its query heads times the tokens) are taken in blocks of up to three:
+// each key and value row is loaded once per block and feeds all its queries, the softmax is float32,
+// and threads split the blocks, which made verify forwards cheaper than one query at a time
+// (measured: docs/performance.md).
 //
 // Each query token is computed alone, over keys 0 .. the last its mask allows, in the same order
 // whatever else is in the call or its block: a verify forward of several tokens gives each token the

@@ -1,8 +1,8 @@
 // A step's keys and values written into the spare room of a layer's cache buffers (dspark_hf/kernels/cpu_kv_cache.py):
 // one call checks that the layer still holds views of the leading part of its buffers with room for the new tokens,
 // copies them in and returns the longer views. From Python the checks and the four ops (two copies, two views) cost
-// as much as the torch.cat they replace on a 256-token context (benchmarks/kv_append.py at 5e6be15: 1.01-1.03 of
-// its step time, fp32, one token, 2-core Zen 4).
+// as much as the torch.cat they replace on a 256-token context (benchmarks/kv_append.py; measured:
+// docs/performance.md).
 
 #include "cpu_kernels.h"
 

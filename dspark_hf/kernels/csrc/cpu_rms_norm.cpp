@@ -1,8 +1,7 @@
 // transformers' RMSNorm in one call, with PyTorch's own roundings and summation order:
 //   y = x.float() * rsqrt(mean(x.float() ** 2, -1) + eps);  out = weight * y.to(x.dtype)
-// PyTorch runs this as 7-9 ops, nearly all of the time dispatch: 22 us per norm of 8 x 576 bfloat16
-// values and 13 us for torch's float32 rms_norm against 3-4 us here (2-core AMD EPYC Zen 4,
-// benchmarks/op_costs.py). The sum of squares is the only step whose
+// PyTorch runs this as 7-9 ops, nearly all of the time dispatch, and one call here costs a fraction of
+// them (benchmarks/op_costs.py; measured: docs/performance.md). The sum of squares is the only step whose
 // result depends on an order: PyTorch's CPU sum of a contiguous row (aten/src/ATen/native/cpu/
 // SumKernel.cpp, cascade_sum) adds vectors of `lanes` floats (its Vectorized<float> width: 8 under
 // AVX2, 16 under AVX-512) in four interleaved accumulators with a cascade of partial sums every 16 or

@@ -2,9 +2,8 @@
 // (dspark_hf/kernels/cpu_decoder.py): x * cos + roll(x, D/2) * signed_sin, where signed_sin is sin with
 // its first half negated (rotate_half(x) * sin, bit for bit). Each product and the sum are rounded to
 // x's dtype as PyTorch's separate ops round them (the extension is built with -ffp-contract=off, so no
-// product is fused into the add), so the results equal the PyTorch expression bit for bit. For one
-// SmolLM2 layer's 8-token queries and keys those ops took 17-19 us, this call 2-4 us (2-core AMD EPYC
-// Zen 4, benchmarks/op_costs.py).
+// product is fused into the add), so the results equal the PyTorch expression bit for bit, in one call
+// that costs a fraction of those ops' dispatch (benchmarks/op_costs.py; measured: docs/performance.md).
 
 #include "cpu_kernels.h"
 #include "cpu_vec_avx2.h"

@@ -19,9 +19,9 @@
 // they sit in L1, so every weight is read from memory once per call at an even pace. Threads split the column blocks.
 //
 // With several rows the FMAs take long enough that the hardware prefetcher alone leaves the memory
-// idle part of the time (8 rows of SmolLM2's fp32 linears: 24.8 ms against 17.0 ms for one row on a
-// Zen 3 EPYC; benchmarks/row_block_rows.py); an explicit prefetch kPrefetchBytes ahead keeps it
-// streaming (20.1 ms). One row of float32 weights runs without it (it made that case slower).
+// idle part of the time (8 rows of SmolLM2's fp32 linears took far longer than one row, where reading
+// the weights is the whole cost); an explicit prefetch kPrefetchBytes ahead keeps it streaming
+// (measured: docs/performance.md). One row of float32 weights runs without it (it made that case slower).
 //
 // Every output is one float32 multiply-add chain over k = 0 .. K-1 in order, whatever the number of
 // rows, so a row's result does not depend on the other rows of the batch: a verify forward of several
@@ -161,11 +161,10 @@ DSPARK_INLINE DSPARK_AVX512 void write_acc512(const __m512 (&sums)[R][B], float*
 }
 
 // AVX-512, per-k layout (float32, float16). Its prefetches go to L2: whole SmolLM2 fp32 forwards of 8 and 16 tokens
-// ran 0.88 and 0.93 of their time with L1 prefetches in one pair of interleaved runs of benchmarks/row_block_rows.py
-// --whole-step (geometric mean over both orders) on a 2-core Zen 4 in a spell when 8 tokens cost 1.5x one, and 1.00
-// and 0.98 in a pair when they cost 1.2x; one row, which does not prefetch, 1.00 (float16 weights, which share this
-// path, were not measured). The bfloat16 pair paths keep L1 prefetches: there L2
-// ones were 7% faster for one row and 12% slower for eight. The AVX2 paths (Zen 3) were not measured with L2 ones.
+// were faster than with L1 prefetches, or level, in interleaved runs of both orders; one row, which does not
+// prefetch, the same (float16 weights, which share this path, were not measured). The bfloat16 pair paths keep L1
+// prefetches: there L2 ones helped one row and cost more at eight. The AVX2 paths were not measured with L2 ones
+// (measured: docs/performance.md).
 template <typename W, int R, int B, bool Prefetch>
 DSPARK_AVX512 void span_avx512(const float* x, int64_t ldx, const W* block, int64_t stride, int64_t k_begin,
                                int64_t k_end, float* acc) {
@@ -285,15 +284,14 @@ template <typename W> struct Avx512 { template <int R, int B, bool P> struct K {
 template <int R, int B, bool P> struct PairsFma { static constexpr auto run = span_pairs_fma<R, B, P>; };
 template <int R, int B, bool P> struct PairsDot { static constexpr auto run = span_pairs_dot<R, B, P>; };
 
-// float32 weights prefetch from 2 rows (one row is purely bound by memory and ran about 6% slower with it
-// on the Zen 3), 16-bit weights from 1 (one bfloat16 row ran about 9% faster with it).
+// float32 weights prefetch from 2 rows (one row is purely bound by memory and ran slower with it on an
+// AVX2-only CPU), 16-bit weights from 1 (one bfloat16 row ran faster with it; measured: docs/performance.md).
 template <typename W> constexpr int64_t kPrefetchFromRows = sizeof(W) == 4 ? 2 : 1;
 template <typename W> constexpr auto kAvx2Path = make_path<float, W, 6, false, Avx2<W>::template K>(kPrefetchFromRows<W>, kSpanK);
 template <typename W> constexpr auto kAvx512Path = make_path<float, W, 8, true, Avx512<W>::template K>(kPrefetchFromRows<W>, kSpanK);
-// Wide groups only where they measured faster: float32 weights at 3-8 rows (SmolLM2 fp32 forward of 8 tokens
-// 8% faster on a Zen 4), and in groups of 4-8 from 9 rows on (whole fp32 forwards of 12 / 16 tokens 0.87 / 0.96
-// of their time with one block at a time, geometric mean over both orders, 2-core Zen 4); for bfloat16 pairs they
-// measured the same (benchmarks/row_block_rows.py --whole-step).
+// Wide groups only where they measured faster: float32 weights at 3-8 rows, and in groups of 4-8 from 9 rows on
+// (whole fp32 forwards faster than with one block at a time, in both orders); for bfloat16 pairs they measured the
+// same (measured: docs/performance.md).
 constexpr auto kPairsFmaPath = make_path<float, uint32_t, 12, false, PairsFma>(1, kSpanK / 2);
 constexpr auto kPairsDotPath = make_path<uint32_t, uint32_t, 12, false, PairsDot>(1, kSpanK / 2);
 
