@@ -22,7 +22,7 @@ import torch
 
 from dspark_hf import DSparkDraftModel, optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
-from dspark_hf.benchmarks.evaluation import left_padded
+from dspark_hf.benchmarks.acceptance import left_padded
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.benchmarks.prompt_sets import DATASETS, load_eval_prompts
 from dspark_hf.chat_text import chat_prompt_ids

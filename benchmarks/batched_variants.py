@@ -29,7 +29,7 @@ import torch
 
 from dspark_hf import DraftingGate, DSparkDraftModel, optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
-from dspark_hf.benchmarks.evaluation import left_padded
+from dspark_hf.benchmarks.acceptance import left_padded
 from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
 from dspark_hf.chat_text import encode_prompt
 from dspark_hf.demo_target import load_smollm2

@@ -4,7 +4,7 @@
     python benchmarks/huge_pages.py --dtype bfloat16 --sizes 1 2 4 8 16 --out results/huge_pages.json
 
 Two copies of SmolLM2-135M-Instruct prepared by ``optimize_for_cpu``, one with ``huge_pages=True`` (the
-default: :mod:`dspark_hf.kernels.cpu_huge_pages`) and one with ``huge_pages=False``, each stepping B new
+default: :mod:`dspark_cpu.huge_pages`) and one with ``huge_pages=False``, each stepping B new
 tokens on its own cached 256-token context, interleaved size by size and round by round (in reverse order
 every other round). In one process, the copy prepared second ran faster than an identical copy prepared
 first (an A/A run of two identical copies: 2-6% on a 2-core Zen 4), so the comparison runs
@@ -24,7 +24,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dspark_hf import optimize_for_cpu
+from dspark_cpu import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment, describe_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from dspark_hf import optimize_for_cpu
+from dspark_cpu import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
 from dspark_hf import DSparkDraftModel
-from dspark_hf.kernels import cpu_decoder, kv_buffers
+import dspark_cpu.decoder as cpu_decoder
+from dspark_hf import kv_buffers
 
 WAYS = ("in_place", "cat")
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-dspark"

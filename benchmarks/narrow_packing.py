@@ -25,13 +25,14 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dspark_hf import optimize_for_cpu
+from dspark_cpu import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.kernels import cpu_huge_pages, cpu_row_block
-from dspark_hf.kernels.cpu_fast_path import _KERNEL_ATTRIBUTE, _PACKED_ATTRIBUTE, PackedLinear
-from dspark_hf.kernels.cpu_packed_kernels import ROW_BLOCK
+import dspark_cpu.huge_pages as cpu_huge_pages
+import dspark_cpu.row_block as cpu_row_block
+from dspark_cpu.fast_path import _KERNEL_ATTRIBUTE, _PACKED_ATTRIBUTE, PackedLinear
+from dspark_cpu.packed_kernels import ROW_BLOCK
 
 
 def _packings(model, dtypes: list[torch.dtype]) -> dict[str, list[tuple]]:

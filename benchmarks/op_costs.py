@@ -28,8 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
-from dspark_hf.kernels import cpu_extension
-from dspark_hf.kernels.cpu_decoder import rms_norm_kernel_lanes
+import dspark_cpu.extension as cpu_extension
+from dspark_cpu.decoder import rms_norm_kernel_lanes
 
 
 def _cases() -> dict:

@@ -20,12 +20,12 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dspark_hf import optimize_for_cpu
+from dspark_cpu import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.kernels import cpu_attention
-from dspark_hf.kernels.cpu_fast_path import PackedLinear
+import dspark_cpu.attention as cpu_attention
+from dspark_cpu.fast_path import PackedLinear
 
 
 def main(argv=None) -> dict:

@@ -24,7 +24,7 @@ checkpoint stored in that dtype in float32 gives; the local SmolLM2, converted f
 values): ``optimize_for_cpu`` then packs them in 16 bits (``benchmarks/narrow_packing.py`` compares packings).
 
 ``--attention-baseline DIR`` builds the CPU extension from another version's sources (a folder such as
-``git archive REV dspark_hf/kernels/csrc | tar -x -C DIR --strip-components 3`` makes) and times a
+``git archive REV cpu_engine/dspark_cpu/csrc | tar -x -C DIR --strip-components 3`` makes) and times a
 prepared model whose few-query attention runs that build's kernel (its linears stay this version's).
 
 ``--compile`` adds a third model, the trial of compiling the step's small ops away: the stock model
@@ -49,13 +49,15 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from dspark_hf import optimize_for_cpu
+from dspark_cpu import optimize_for_cpu
 from dspark_hf.benchmarks.environment import capture_environment, multiply_add_rate
 from dspark_hf.benchmarks.measuring import write_json_result
 from dspark_hf.demo_target import load_smollm2
-from dspark_hf.kernels import cpu_attention, cpu_decoder, cpu_extension
-from dspark_hf.kernels.cpu_attention import use_cpu_gqa_attention
-from dspark_hf.kernels.cpu_decoder import remove_lean_decoder
+import dspark_cpu.attention as cpu_attention
+import dspark_cpu.decoder as cpu_decoder
+import dspark_cpu.extension as cpu_extension
+from dspark_cpu.attention import use_cpu_gqa_attention
+from dspark_cpu.decoder import remove_lean_decoder
 
 
 def _stepper(model, context, new_ids):

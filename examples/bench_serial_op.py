@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dspark_hf import cuda_ops  # noqa: E402
+from dspark_hf.decoding import cuda_ops  # noqa: E402
 from dspark_hf.benchmarks.environment import capture_environment  # noqa: E402
 from dspark_hf.benchmarks.measuring import mean_call_ms, write_json_result  # noqa: E402
 from dspark_hf.configuration_dspark import DSparkConfig  # noqa: E402

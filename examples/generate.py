@@ -72,9 +72,13 @@ def main() -> None:
         # transformers' own assistant setting: this many draft tokens verified every round
         draft.generation_config.num_assistant_tokens = args.fixed_length
 
-    if not args.no_fast_path:  # the CPU fast path (a logged no-op on other devices)
-        dspark_hf.optimize_for_cpu(target)
-        dspark_hf.optimize_for_cpu(draft)
+    if not args.no_fast_path:  # the CPU engine's fast path (a logged no-op on other devices)
+        try:
+            dspark_hf.optimize_for_cpu(target)
+            dspark_hf.optimize_for_cpu(draft)
+        except ImportError as error:  # the CPU engine (cpu_engine/, dspark_cpu) is not installed
+            print(f"{error} Running the stock models.")
+            args.no_fast_path = True
 
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 import dspark_hf.decoding.sampling
-from dspark_hf.kernels import cuda_ops
+from dspark_hf.decoding import cuda_ops
 
 
 def pretend_cuda_op_is_built(monkeypatch: pytest.MonkeyPatch, entry_point: str, replacement: Callable) -> None:
@@ -21,7 +21,7 @@ def pretend_cuda_op_is_built(monkeypatch: pytest.MonkeyPatch, entry_point: str, 
     ``cuda_ops.<entry_point>`` (``"serial_sample_cuda"`` or ``"_run_op"``). ``DSPARK_HF_CUDA_OP`` is
     unset so that the op is on by default, as on a GPU machine."""
     if not hasattr(cuda_ops, entry_point):
-        raise AttributeError(f"dspark_hf.kernels.cuda_ops has no {entry_point!r} to replace; name one of its functions.")
+        raise AttributeError(f"dspark_hf.decoding.cuda_ops has no {entry_point!r} to replace; name one of its functions.")
     monkeypatch.setattr(dspark_hf.decoding.sampling, "_may_use_cuda_op", lambda backend, t: backend != "reference")
     monkeypatch.setattr(cuda_ops, "_on_cuda", lambda t: True)
     monkeypatch.setattr(cuda_ops, "load_extension", lambda verbose=False: None)

@@ -202,9 +202,10 @@ def test_profile_command_writes_the_table_the_default_scheduler_then_reads(tmp_p
     sps = profile_cli.main(["--target", str(tmp_path / "target"), "--max-tokens", "24", "--cache-dir", str(tmp_path)])
     assert len(sps) == 24
     from transformers import AutoModelForCausalLM
-    from dspark_hf import optimize_for_cpu
+    from dspark_hf.cpu_engine import prepare_for_cpu
 
-    served = optimize_for_cpu(AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval())
+    # Prepared as the command prepared it: by the CPU engine where it is installed, else both stock (logged).
+    served = prepare_for_cpu(AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval())
     monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: pytest.fail("profiled again"))
     model = shared_cost_model(served, cache_dir=tmp_path)
     assert model.prior_length == 24
@@ -264,22 +265,28 @@ def test_a_batched_profile_runs_rows_on_their_own_contexts_and_is_keyed_apart(mo
         profile_sps(target, 2, rows=3, cache_dir=tmp_path, progress=False)
 
 
-def test_the_profile_key_names_the_cpu_and_the_prepared_models_kernel_code(monkeypatch):
+def test_the_profile_key_names_the_cpu_and_the_engines_fingerprint(monkeypatch):
+    """The key holds the CPU model and the backend fingerprint (dspark_hf.engine_hooks): what the engines that
+    prepared the model say about it. A fake engine here; the CPU engine's own fingerprint (packed linears, the
+    kernels' code digest, the lean decoder) is tested with it (cpu_engine/tests/test_cpu_engine_hooks.py)."""
     import dspark_hf.scheduling.step_rates as step_rates
-    from dspark_hf import optimize_for_cpu
+    from dspark_hf import engine_hooks
 
     target, _ = _pair()
     key = sps_cache_key(target, 8)
     monkeypatch.setattr(step_rates, "cpu_model", lambda: "Another CPU")
     assert sps_cache_key(target, 8) != key  # a profile from another processor is not reused
-    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "first")
+    code, prepared = {"digest": "first"}, set()
+    fake = engine_hooks.EngineHooks(fingerprint=lambda model: {"code": code["digest"]} if id(model) in prepared else {})
+    monkeypatch.setattr(engine_hooks, "_ENGINES", {"fake": fake})
     stock_key = sps_cache_key(target, 8)
-    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "second")
-    assert sps_cache_key(target, 8) == stock_key  # a stock model's profile does not depend on the kernels
-    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "first")
-    prepared = optimize_for_cpu(target, packed_min_rows=1)
-    if not step_rates.is_optimized_for_cpu(prepared):
-        pytest.skip("the CPU fast path does not run here")
-    prepared_key = sps_cache_key(prepared, 8)
-    monkeypatch.setattr(step_rates, "kernel_code_digest", lambda: "second")
-    assert sps_cache_key(prepared, 8) != prepared_key
+    code["digest"] = "second"
+    assert sps_cache_key(target, 8) == stock_key  # a stock model's profile does not depend on an engine's code
+    monkeypatch.setattr(engine_hooks, "_ENGINES", {})
+    assert sps_cache_key(target, 8) == stock_key  # nor on which engines are installed
+    monkeypatch.setattr(engine_hooks, "_ENGINES", {"fake": fake})
+    prepared.add(id(target))
+    prepared_key = sps_cache_key(target, 8)
+    assert prepared_key != stock_key  # a prepared model is profiled apart from the stock one
+    code["digest"] = "first"
+    assert sps_cache_key(target, 8) != prepared_key  # and again when the engine's code changes

@@ -32,8 +32,8 @@ from torch.utils import cpp_extension
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf
-from dspark_hf.kernels import cuda_graphs
-from dspark_hf.kernels import cuda_ops
+from dspark_hf.decoding import cuda_graphs
+from dspark_hf.decoding import cuda_ops
 from dspark_hf.decoding.sampling import SerialSample, inverse_cdf_sample, serial_sample
 from cuda_op_fakes import pretend_cuda_op_is_built
 
@@ -122,7 +122,7 @@ def test_sources_ship_with_the_package():
 
     pyproject = tomllib.loads((Path(dspark_hf.__file__).parent.parent / "pyproject.toml").read_text())
     package_data = pyproject["tool"]["setuptools"]["package-data"]
-    patterns = package_data.get("dspark_hf.kernels", [])  # relative to dspark_hf/kernels, where csrc/ lives
+    patterns = package_data.get("dspark_hf.decoding", [])  # relative to dspark_hf/decoding, where csrc/ lives
     for name in (*cuda_ops.SOURCES, *cuda_ops.HEADERS):
         assert any(fnmatch.fnmatch(f"csrc/{name}", p) for p in patterns), f"{name} is not in the wheel's package data"
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.kernels import kv_buffers
+from dspark_hf import kv_buffers
 from dspark_hf.model.draft_context_cache import DraftContextCache
 from tiny_models import random_target
 

@@ -14,7 +14,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler
-from dspark_hf.kernels.cpu_fast_path import PackedLinear
+from dspark_hf import engine_hooks
 from dspark_hf.model.draft_vocab import check_draft_vocab_ids, gathered_head, scatter_to_vocab
 from dspark_hf.training.draft_vocab_training import (
     coverage,
@@ -259,9 +259,23 @@ def test_sampled_loop_with_exact_probabilities_draws_over_the_columns_and_return
             assert (whole.probabilities is None) == ("logits_processor" not in kwargs)
 
 
-def test_reduced_head_runs_packed_when_the_target_is_prepared_for_cpu():
-    # Without this the N gathered rows take the stock multi-row CPU kernel and a reduced draft is
-    # slower per round than a full-vocabulary one on a prepared target.
+def test_reduced_head_is_prepared_the_way_an_engine_prepared_the_full_head(monkeypatch):
+    """The packing hook (dspark_hf.engine_hooks.pack_like): the gathered rows of a head an engine prepared go to
+    that engine to be prepared alike. A fake engine here; the CPU engine's packing is tested with it
+    (cpu_engine/tests/test_cpu_engine_hooks.py)."""
+
+    class Prepared(torch.nn.Linear):
+        pass
+
+    handed = []
+
+    def pack_like(source, module):
+        if isinstance(source, Prepared):
+            handed.append(module)
+            module.__class__ = Prepared
+        return module
+
+    monkeypatch.setattr(engine_hooks, "_ENGINES", {"fake": engine_hooks.EngineHooks(pack_like=pack_like)})
     target = _target()
     draft = _reduced_draft(target)
     draft.bind_target(target)
@@ -269,31 +283,11 @@ def test_reduced_head_runs_packed_when_the_target_is_prepared_for_cpu():
     with torch.no_grad():
         stock = draft.draft_vocab_logits(hidden)
         cache = draft._draft_vocab_caches[0]
-        assert type(gathered_head(target.lm_head, draft.draft_vocab_ids, cache)) is torch.nn.Linear
-        dspark_hf.optimize_for_cpu(target, packed_min_rows=1)
+        assert type(gathered_head(target.lm_head, draft.draft_vocab_ids, cache)) is torch.nn.Linear and not handed
+        target.lm_head.__class__ = Prepared  # as an engine's preparation changes the head's class in place
         rows = gathered_head(target.lm_head, draft.draft_vocab_ids, cache)
-        assert isinstance(rows, PackedLinear)  # re-gathered because the head became packed
-        torch.testing.assert_close(draft.draft_vocab_logits(hidden), stock, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(stock, hidden @ target.lm_head.weight[draft.draft_vocab_ids].T)
-        target.lm_head.weight.mul_(2.0)  # an in-place change is seen: gathered again
-        torch.testing.assert_close(draft.draft_vocab_logits(hidden), 2 * stock, rtol=1e-5, atol=1e-5)
-        target.lm_head.weight.mul_(0.5)
-    prompt = torch.tensor([[1, 4, 9, 2]])
-    plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
-    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft), plain)
-
-
-def test_reduced_head_packs_when_first_used_inside_inference_mode():
-    target = _target()
-    draft = _reduced_draft(target)
-    draft.bind_target(target)
-    dspark_hf.optimize_for_cpu(target, packed_min_rows=1)
-    hidden = torch.randn(1, 5, target.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():  # the gathered rows were built as inference tensors and could not be packed
-        inside = draft.draft_vocab_logits(hidden)
-    with torch.no_grad():  # and the cached rows still serve outside inference mode
-        torch.testing.assert_close(draft.draft_vocab_logits(hidden), inside)
-    torch.testing.assert_close(inside, hidden @ target.lm_head.weight[draft.draft_vocab_ids].T, rtol=1e-5, atol=1e-5)
+        assert type(rows) is Prepared and handed == [rows]  # re-gathered because the head changed
+        torch.testing.assert_close(draft.draft_vocab_logits(hidden), stock)
 
 
 def _reduced_chi_square_draft(ids):

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from dspark_hf.benchmarks.evaluation import left_padded, measure_acceptance
+from dspark_hf.benchmarks.acceptance import left_padded, measure_acceptance
 from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
 from dspark_hf.benchmarks.summary import merge_stats
 from dspark_hf.decoding.rounds import DSparkGenerationStats, RoundStats
@@ -81,7 +81,7 @@ def test_batched_greedy_evaluation_measures_the_same_rounds_as_batch_one():
 def test_evaluate_cli_takes_any_target_and_a_tokenizer_without_chat_template(tmp_path):
     """`dspark-hf evaluate --target FOLDER`: a local base model (no chat template) and its draft."""
     from dspark_hf import DSparkDraftModel
-    from dspark_hf.benchmarks import evaluate_cli, evaluation
+    from dspark_hf.benchmarks import acceptance, evaluate_cli
     from tiny_models import random_target
 
     words = "the a of to and is in that it for Janet eggs ducks day sells".split()
@@ -99,4 +99,4 @@ def test_evaluate_cli_takes_any_target_and_a_tokenizer_without_chat_template(tmp
     result = saved["results"]["draft/gsm8k/greedy"]
     assert saved["settings"]["target"] == str(tmp_path / "target")
     assert result["new_tokens"] == 2 * 8 and result["rounds"] > 0  # both prompts answered in full
-    assert evaluation.encode_prompt(tokenizer, "Janet sells eggs") == tokenizer("Janet sells eggs")["input_ids"]
+    assert acceptance.encode_prompt(tokenizer, "Janet sells eggs") == tokenizer("Janet sells eggs")["input_ids"]

@@ -163,6 +163,20 @@ def test_push_to_hub_uploads_the_hub_ready_folder(tmp_path):
     assert _files(api2.store / "org--dspark-draft") == _files(uploaded)
 
 
+def test_the_models_push_to_hub_goes_through_the_registered_exporter(monkeypatch):
+    """The model module never imports the Hub tooling: dspark_hf.hub registers its push_to_hub on import, and
+    without a registered exporter the method says which function to call."""
+    from dspark_hf.model import modeling_dspark
+
+    draft = _trained_draft(_target())
+    calls = []
+    monkeypatch.setattr(modeling_dspark, "_HUB_UPLOAD", [lambda *args, **kwargs: calls.append((args, kwargs)) or "ok"])
+    assert draft.push_to_hub(DRAFT_REPO, private=True) == "ok" and calls == [((draft, DRAFT_REPO), {"private": True})]
+    monkeypatch.setattr(modeling_dspark, "_HUB_UPLOAD", [])
+    with pytest.raises(RuntimeError, match=r"dspark_hf\.push_to_hub\(draft"):
+        draft.push_to_hub(DRAFT_REPO)
+
+
 def test_hub_cache_remote_code_generate_pipeline_and_custom_generate(tmp_path):
     """Draft pushed (fake API) -> stored as a download -> loaded offline in a fresh interpreter."""
     target = _target()

@@ -1,12 +1,16 @@
-"""The package's shape: runtime apart from tooling, no import cycles, no oversized modules, and
-names imported from where they live rather than from compatibility shims.
+"""The package's shape: runtime apart from tooling, the CPU engine apart from the core, no import cycles,
+no oversized modules, and names imported from where they live rather than from compatibility shims.
 
-Runtime is the decoding path: the ``model``, ``decoding``, ``scheduling`` and ``kernels``
-subpackages and the few modules at the top of ``dspark_hf/``; tooling is the ``training``,
-``benchmarks`` and ``hub`` subpackages. Imports are read with ``ast`` from the
+Runtime is the decoding path: the ``model``, ``decoding`` and ``scheduling`` subpackages and the few
+modules at the top of ``dspark_hf/``; tooling is the ``training``, ``benchmarks`` and ``hub`` subpackages.
+The core (those six subpackages) imports nothing of the CPU engine (``dspark_cpu``, in ``cpu_engine/``): only
+the seam module ``dspark_hf.cpu_engine`` names it, in a string for importlib. The engine imports only
+dspark_hf's small shared helpers (``ENGINE_MAY_IMPORT``). Imports are read with ``ast`` from the
 source, including imports inside functions; imports under ``if TYPE_CHECKING:`` are for
 annotations only and never run, and those under ``if __name__ == "__main__":`` run only when the
-file is the program (as the module ``__main__``, never when it is imported), so both are left out.
+file is the program (as the module ``__main__``, never when it is imported), so both are left out of the
+runtime/tooling rules; cycles count ``__main__`` imports too (``python -m`` of one module must not need
+another that imports it back).
 """
 
 from __future__ import annotations
@@ -15,15 +19,17 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "dspark_hf"
+ENGINE = "dspark_cpu"
+ENGINE_DIR = PACKAGE_DIR.parent / "cpu_engine" / ENGINE  # absent where the engine is not part of the checkout
 TOOLING_PACKAGES = ("dspark_hf.training", "dspark_hf.benchmarks", "dspark_hf.hub")
 MAX_LINES = 600
 
 # Runtime -> tooling imports that are deliberate entry points for users, with the reason.
 ALLOWED_TOOLING_IMPORTS = {
     ("dspark_hf", "dspark_hf.hub"): "the package facade re-exports export, push_to_hub and render_model_card",
-    ("dspark_hf.model.modeling_dspark", "dspark_hf.hub.draft_export"):
-        "DSparkDraftModel.push_to_hub (transformers' method on the model) delegates to the Hub exporter",
 }
 # Top-level modules that are command-line entry points rather than the decoding path.
 ENTRY_POINTS = {"dspark_hf.cli": "the dspark-hf command dispatches to the tooling CLIs by module name"}
@@ -39,17 +45,35 @@ SHIMS = {
     "dspark_hf.modeling_dspark": "public path of dspark_hf.model.modeling_dspark (Hub remote code imports it)",
     "dspark_hf.configuration_dspark": "public path of dspark_hf.model.configuration_dspark (Hub remote code)",
     "dspark_hf.custom_generate": "public path of dspark_hf.decoding.custom_generate (Hub custom_generate files)",
+    "dspark_hf.benchmarks.evaluation": "`python -m dspark_hf.benchmarks.evaluation`; its library is benchmarks.acceptance",
 }
 # Where runtime modules live: one subpackage per idea; only these stay at the top of the package.
-RUNTIME_GROUPS = ("dspark_hf.model", "dspark_hf.decoding", "dspark_hf.scheduling", "dspark_hf.kernels")
-TOP_LEVEL = {"dspark_hf", "dspark_hf.cache_dir", "dspark_hf.cli", "dspark_hf.demo_target", "dspark_hf.chat_text"}
+RUNTIME_GROUPS = ("dspark_hf.model", "dspark_hf.decoding", "dspark_hf.scheduling")
+# The DSpark core: it imports nothing of the CPU engine.
+CORE_PACKAGES = RUNTIME_GROUPS + TOOLING_PACKAGES
+# Small top-level helpers that the core and the CPU engine share; they import neither.
+CORE_ENGINE_HELPERS = {
+    "dspark_hf.cache_dir": "where built files and caches go",
+    "dspark_hf.build_tools": "the C++ toolchain check before a build (CUDA op, CPU extension)",
+    "dspark_hf.kv_buffers": "fixed-stride KV buffers (the draft's context cache, the engine's lean decoder)",
+    "dspark_hf.machine": "the CPU's model and vector extensions, Linux's huge page mode",
+    "dspark_hf.engine_hooks": "the seams an engine plugs into: the packing hook, the backend fingerprint",
+}
+# What an engine module may import of dspark_hf: the shared helpers only (not the facade, not the core).
+ENGINE_MAY_IMPORT = set(CORE_ENGINE_HELPERS)
+# The one module that names the engine, in a string for importlib (the engine-loading seam).
+ENGINE_SEAM = "dspark_hf.cpu_engine"
+TOP_LEVEL = {"dspark_hf", "dspark_hf.cli", "dspark_hf.demo_target", "dspark_hf.chat_text", ENGINE_SEAM,
+             *CORE_ENGINE_HELPERS}
 # Names a runtime module still re-exports for old code: imported from their home everywhere else.
 MOVED_NAMES = {("dspark_hf.decoding.candidate_generator", "RoundStats"): "dspark_hf.decoding.rounds",
                ("dspark_hf.decoding.candidate_generator", "DSparkGenerationStats"): "dspark_hf.decoding.rounds",
                ("dspark_hf.decoding.settings", "DraftRuntimeSettings"): "dspark_hf.model.draft_runtime",
                ("dspark_hf.decoding.settings", "record_generation_stats"): "dspark_hf.model.draft_runtime",
                **{("dspark_hf.training.data", name): "dspark_hf.chat_text"
-                  for name in ("chat_prompt_ids", "encode_prompt", "has_chat_template", "trim_after_eos")}}
+                  for name in ("chat_prompt_ids", "encode_prompt", "has_chat_template", "trim_after_eos")},
+               **{("dspark_hf.benchmarks.evaluation", name): "dspark_hf.benchmarks.acceptance"
+                  for name in ("left_padded", "measure_acceptance", "tau_table")}}
 REPO = PACKAGE_DIR.parent
 # The scheduling stack: how much is drafted and verified, and the round around it. The model sits
 # below it (its run-time state lives in dspark_hf.model.draft_runtime), so loading a draft loads none of it.
@@ -64,15 +88,16 @@ def _is_package_dir(folder: Path) -> bool:
 
 
 def _modules() -> dict[str, Path]:
-    """Importable modules of the package: ``.py`` files whose folders are all packages
-    (template folders such as ``hub/templates`` hold files that are copied, not imported)."""
+    """Importable modules of the package and of the CPU engine (where its folder is there): ``.py`` files whose
+    folders are all packages (template folders such as ``hub/templates`` hold files that are copied, not imported)."""
     found = {}
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        folders = path.relative_to(PACKAGE_DIR.parent).parent.parts
-        if not all(_is_package_dir(PACKAGE_DIR.parent.joinpath(*folders[: i + 1])) for i in range(len(folders))):
-            continue
-        parts = list(folders) + ([] if path.stem == "__init__" else [path.stem])
-        found[".".join(parts)] = path
+    for package_dir in (PACKAGE_DIR, ENGINE_DIR):
+        for path in sorted(package_dir.rglob("*.py")) if package_dir.is_dir() else []:
+            folders = path.relative_to(package_dir.parent).parent.parts
+            if not all(_is_package_dir(package_dir.parent.joinpath(*folders[: i + 1])) for i in range(len(folders))):
+                continue
+            parts = list(folders) + ([] if path.stem == "__init__" else [path.stem])
+            found[".".join(parts)] = path
     return found
 
 
@@ -139,13 +164,14 @@ def _resolve(name: str) -> str | None:
     return None
 
 
-def _imports_of(module: str) -> set[str]:
-    """Package modules ``module`` imports explicitly (function-level imports included)."""
+def _imports_of(module: str, *, skip_main_guard: bool = True) -> set[str]:
+    """Package and engine modules ``module`` imports explicitly (function-level imports included; those under
+    ``if __name__ == "__main__":`` too when ``skip_main_guard`` is False)."""
     path = MODULES[module]
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = module if path.stem == "__init__" else module.rpartition(".")[0]
     targets = set()
-    for node in _import_nodes(tree):
+    for node in _import_nodes(tree, skip_main_guard=skip_main_guard):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -158,7 +184,7 @@ def _imports_of(module: str) -> set[str]:
             # "from pkg import name" imports the submodule pkg.name when there is one
             names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
         for name in names:
-            if name == "dspark_hf" or name.startswith("dspark_hf."):
+            if any(name == root or name.startswith(root + ".") for root in ("dspark_hf", ENGINE)):
                 resolved = _resolve(name)
                 if resolved is not None and resolved != module:
                     targets.add(resolved)
@@ -175,10 +201,20 @@ def _named_in_strings(module: str) -> set[str]:
 
 
 GRAPH = {module: _imports_of(module) for module in MODULES}
+# With the imports under __main__ guards: what `python -m <module>` imports. Cycles are looked for here.
+PROGRAM_GRAPH = {module: _imports_of(module, skip_main_guard=False) for module in MODULES}
 
 
 def _is_tooling(module: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in TOOLING_PACKAGES)
+
+
+def _is_engine(module: str) -> bool:
+    return module == ENGINE or module.startswith(ENGINE + ".")
+
+
+def _is_core(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in CORE_PACKAGES)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -230,16 +266,21 @@ def test_the_graph_sees_the_package():
     assert not any(".templates" in m for m in MODULES)  # copied files, not modules
     assert "dspark_hf.model.configuration_dspark" in GRAPH["dspark_hf.model.modeling_dspark"]
     # function-level imports count; TYPE_CHECKING imports do not
-    assert "dspark_hf.hub.draft_export" in GRAPH["dspark_hf.model.modeling_dspark"]
+    assert "dspark_hf.training.target_loading" in GRAPH["dspark_hf.benchmarks.evaluate_cli"]
     assert "dspark_hf.model.modeling_dspark" not in GRAPH["dspark_hf.hub.draft_export"]
-    # nor does the import under evaluation.py's __main__ guard (`python -m dspark_hf.benchmarks.evaluation`)
-    assert "dspark_hf.benchmarks.evaluation" in GRAPH["dspark_hf.benchmarks.evaluate_cli"]
+    # the import under evaluation.py's __main__ guard (`python -m dspark_hf.benchmarks.evaluation`) counts for
+    # cycles only; both it and the command import the library, which imports neither
     assert "dspark_hf.benchmarks.evaluate_cli" not in GRAPH["dspark_hf.benchmarks.evaluation"]
+    assert "dspark_hf.benchmarks.evaluate_cli" in PROGRAM_GRAPH["dspark_hf.benchmarks.evaluation"]
+    assert "dspark_hf.benchmarks.acceptance" in GRAPH["dspark_hf.benchmarks.evaluate_cli"]
+    assert not {"dspark_hf.benchmarks.evaluation", "dspark_hf.benchmarks.evaluate_cli"} & PROGRAM_GRAPH[
+        "dspark_hf.benchmarks.acceptance"]
 
 
 def test_no_import_cycles():
-    found = list(_cycles(GRAPH))
-    assert not found, "import cycles (imports inside functions count):\n" + "\n".join(" -> ".join(c) for c in found)
+    found = list(_cycles(PROGRAM_GRAPH))
+    assert not found, ("import cycles (imports inside functions and under __main__ guards count):\n"
+                       + "\n".join(" -> ".join(c) for c in found))
 
 
 def test_runtime_never_imports_tooling():
@@ -307,7 +348,8 @@ def _python_files() -> list[tuple[str, Path, str | None]]:
     inside = [(module, path, module if path.stem == "__init__" else module.rpartition(".")[0])
               for module, path in sorted(MODULES.items())]
     outside = [(str(path.relative_to(REPO)), path, None)
-               for folder in ("tests", "benchmarks", "examples", "model_cards")
+               for folder in ("tests", "benchmarks", "examples", "model_cards", "cpu_engine/tests")
+               if (REPO / folder).is_dir()
                for path in sorted((REPO / folder).rglob("*.py"))
                if path.name != "test_moved_names.py"]  # that test checks the former homes still answer
     return inside + outside
@@ -333,6 +375,63 @@ def test_runtime_is_grouped_by_idea():
     """Every package module is tooling, in one of the runtime subpackages, a shim, or one of the few
     top-level modules (facade, CLI, cache folder, shared helpers): a new runtime module goes into the
     subpackage of its idea, not next to the facade."""
-    stray = [m for m in MODULES if not _is_tooling(m) and m not in SHIMS and m not in TOP_LEVEL
+    stray = [m for m in MODULES if not _is_tooling(m) and m not in SHIMS and m not in TOP_LEVEL and not _is_engine(m)
              and not any(m == g or m.startswith(g + ".") for g in RUNTIME_GROUPS)]
     assert not stray, f"modules outside {RUNTIME_GROUPS}: {stray}"
+
+
+# ------------------------------------------------------------------------- the core and the CPU engine
+def _package_modules() -> dict[str, Path]:
+    """dspark_hf's modules, read from its folder alone (whether or not the engine is there)."""
+    return {m: p for m, p in MODULES.items() if not _is_engine(m)}
+
+
+def test_the_core_imports_nothing_of_the_engine():
+    """No module of dspark_hf imports dspark_cpu, at any depth (inside functions and ``__main__`` guards, and
+    under ``if TYPE_CHECKING:``), and none names it in a string but the seam, which loads it with importlib."""
+    offenders = []
+    for module, path in sorted(_package_modules().items()):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        imported += [node.module for node in ast.walk(tree)  # relative imports stay inside dspark_hf
+                     if isinstance(node, ast.ImportFrom) and not node.level and node.module]
+        offenders += [f"{module} imports {name}" for name in sorted(set(imported))
+                      if name == ENGINE or name.startswith(ENGINE + ".")]
+        named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                 and re.fullmatch(rf"{ENGINE}(\.\w+)*", node.value)}
+        if named and module != ENGINE_SEAM:
+            offenders.append(f"{module} names {sorted(named)} (only {ENGINE_SEAM} loads the engine)")
+    assert not offenders, "the core reaching into the CPU engine:\n" + "\n".join(offenders)
+    import dspark_hf.cpu_engine
+
+    assert dspark_hf.cpu_engine.ENGINE_MODULE == ENGINE
+    assert "importlib" in {name for name, _ in _imported_names(MODULES[ENGINE_SEAM], "dspark_hf")}
+
+
+def test_the_engine_imports_only_the_shared_helpers():
+    """dspark_cpu imports, of dspark_hf, only the small helpers both share: not the facade, not the core
+    (model, decoding, scheduling, training, hub, benchmarks); and those helpers import neither."""
+    if not ENGINE_DIR.is_dir():
+        pytest.skip(f"the CPU engine is not in this checkout ({ENGINE_DIR} is absent)")
+    engine = {m: p for m, p in MODULES.items() if _is_engine(m)}
+    assert {"dspark_cpu", "dspark_cpu.fast_path", "dspark_cpu.kernel_choices"} <= set(engine)
+    offenders = []
+    for module, path in sorted(engine.items()):
+        package = module if path.stem == "__init__" else module.rpartition(".")[0]
+        for source, name in _imported_names(path, package):
+            target = source if source != "dspark_hf" or not name else f"{source}.{name}"
+            if (target == "dspark_hf" or target.startswith("dspark_hf.")) and target not in ENGINE_MAY_IMPORT:
+                offenders.append(f"{module} imports {target}")
+    for helper in CORE_ENGINE_HELPERS:
+        offenders += [f"{helper} (a shared helper) imports {t}" for t in sorted(GRAPH[helper])
+                      if _is_core(t) or _is_engine(t) or t == "dspark_hf"]
+    assert not offenders, "engine modules reaching past the shared helpers:\n" + "\n".join(offenders)
+
+
+def test_the_old_kernels_package_is_gone():
+    """``dspark_hf.kernels`` became the CPU engine (``dspark_cpu``) and ``dspark_hf.decoding.cuda_ops``."""
+    assert not list((PACKAGE_DIR / "kernels").rglob("*.py")) and not (PACKAGE_DIR / "kernels" / "csrc").exists()
+    offenders = [name for name, path, package in _python_files()
+                 if any(source == "dspark_hf.kernels" or source.startswith("dspark_hf.kernels.")
+                        for source, _ in _imported_names(path, package))]
+    assert not offenders, f"imports of dspark_hf.kernels: {offenders}"

@@ -4,7 +4,9 @@ The README quickstart of earlier versions ran ``from dspark_hf.training.smollm2 
 and the benchmarks took ``chat_prompt_ids`` / ``trim_after_eos`` from ``dspark_hf.training.data``;
 both now re-export from :mod:`dspark_hf.demo_target` and :mod:`dspark_hf.chat_text`.
 ``python -m dspark_hf.benchmarks.evaluation`` (in docs, model cards and result files) still runs
-``dspark-hf evaluate``.
+``dspark-hf evaluate``, and its library's names answer there (their home is ``dspark_hf.benchmarks.acceptance``).
+The CPU engine's names (``dspark_cpu``, formerly ``dspark_hf.kernels.cpu_*``) are checked with the engine
+(``cpu_engine/tests/test_cpu_engine_hooks.py``: ``dspark_hf.optimize_for_cpu`` is the engine's).
 """
 
 import os
@@ -52,10 +54,14 @@ def test_datagen_still_offers_chat_prompt_ids():
 
 
 def test_the_evaluation_library_keeps_its_functions():
-    from dspark_hf.benchmarks import evaluate_cli, evaluation
+    """The library moved to benchmarks.acceptance (so that `python -m ...evaluation` and the command import it
+    and not each other); the old module still offers its names."""
+    from dspark_hf.benchmarks import acceptance, evaluate_cli, evaluation
 
-    assert evaluate_cli.measure_acceptance is evaluation.measure_acceptance
-    assert evaluate_cli.tau_table is evaluation.tau_table
+    for name in ("left_padded", "measure_acceptance", "tau_table"):
+        assert getattr(evaluation, name) is getattr(acceptance, name)
+    assert evaluate_cli.measure_acceptance is acceptance.measure_acceptance
+    assert evaluate_cli.tau_table is acceptance.tau_table
 
 
 @pytest.mark.parametrize("module", ["dspark_hf.benchmarks.evaluation", "dspark_hf.benchmarks.evaluate_cli"])

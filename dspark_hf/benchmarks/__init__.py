@@ -4,9 +4,9 @@
   :mod:`~dspark_hf.benchmarks.runner` (methods, interleaved runs),
   :mod:`~dspark_hf.benchmarks.batch_sweep` (batch sizes), :mod:`~dspark_hf.benchmarks.summary`
   (metrics, tables) and :mod:`~dspark_hf.benchmarks.plots`;
-* :mod:`~dspark_hf.benchmarks.evaluation`: accepted length tau and per-position acceptance, its
+* :mod:`~dspark_hf.benchmarks.acceptance`: accepted length tau and per-position acceptance, its
   command line in :mod:`~dspark_hf.benchmarks.evaluate_cli` (``dspark-hf evaluate``, or
-  ``python -m dspark_hf.benchmarks.evaluation``);
+  ``python -m dspark_hf.benchmarks.evaluation``, which keeps the library's names);
 * :mod:`~dspark_hf.benchmarks.profile_cli`: ``dspark-hf profile``, the target's step-rate curve;
 * :mod:`~dspark_hf.benchmarks.prompt_sets` and ``eval_prompts/``: the shipped prompt sets;
 * :mod:`~dspark_hf.benchmarks.shipped_drafts`: where the repository's SmolLM2 drafts are;

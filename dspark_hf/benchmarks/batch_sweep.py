@@ -32,7 +32,7 @@ from ..chat_text import trim_after_eos
 from ..decoding.settings import DEFAULT_LOOKUP_TOKENS
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.shared_cost import cost_model_covering
-from .evaluation import left_padded
+from .acceptance import left_padded
 
 MODES = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)}
 

@@ -53,7 +53,7 @@ import torch
 from transformers.utils import logging
 
 from ..chat_text import encode_prompt
-from ..kernels.cpu_fast_path import optimize_for_cpu
+from ..cpu_engine import prepare_for_cpu
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.step_rates import load_sps_profile
 from .batch_sweep import run_batch_sweep
@@ -163,9 +163,9 @@ def load_models(args: argparse.Namespace):
         drafts["candidate"] = DSparkDraftModel.from_pretrained(args.candidate).to(dtype).eval()
     stock_target = copy.deepcopy(target)
     if not args.no_fast_path:
-        optimize_for_cpu(target)
+        prepare_for_cpu(target)  # the CPU engine's optimize_for_cpu; the stock models, logged, without it
         for draft in drafts.values():
-            optimize_for_cpu(draft)
+            prepare_for_cpu(draft)
     return target, tokenizer, stock_target, drafts
 
 

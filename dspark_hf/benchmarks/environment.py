@@ -13,8 +13,7 @@ import time
 
 import torch
 
-from ..kernels.cpu_huge_pages import transparent_huge_pages_mode
-from ..kernels.cpu_identity import ISA_FLAGS, cpu_isa_flags, cpu_model
+from ..machine import ISA_FLAGS, cpu_isa_flags, cpu_model, transparent_huge_pages_mode
 
 
 def _torch_cpu_capability() -> str | None:

@@ -4,7 +4,7 @@ Runs ``target.generate(..., assistant_model=draft)`` with the full block verifie
 as in the paper's Table 1) on the evaluation prompts (GSM8K, HumanEval, MT-Bench first turns, with
 the target's chat template, or as plain text for a tokenizer without one) and writes the
 aggregated per-round statistics of every draft, set and mode
-(:func:`~dspark_hf.benchmarks.evaluation.measure_acceptance`) to ``--out``; ``--table FILES``
+(:func:`~dspark_hf.benchmarks.acceptance.measure_acceptance`) to ``--out``; ``--table FILES``
 prints the markdown table of two drafts' results instead.
 
     dspark-hf evaluate --drafts drafts/smollm2-135m-dspark drafts/smollm2-135m-dflash \
@@ -27,7 +27,7 @@ import torch
 
 from ..model.modeling_dspark import DSparkDraftModel
 from .environment import capture_environment
-from .evaluation import measure_acceptance, tau_table
+from .acceptance import measure_acceptance, tau_table
 from .prompt_sets import DATASETS, load_eval_prompts
 
 

@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from ..cache_dir import default_cache_dir
-from ..kernels.cpu_fast_path import optimize_for_cpu
+from ..cpu_engine import prepare_for_cpu
 from ..scheduling.step_rates import profile_sps, sps_cache_key
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
         target, _ = load_smollm2()
     if not args.no_fast_path:
-        optimize_for_cpu(target)
+        prepare_for_cpu(target)  # the CPU engine's optimize_for_cpu (logged and skipped where it is not installed)
     sps = profile_sps(target, args.max_tokens, context_length=args.context_length, cache_dir=args.cache_dir,
                       use_cache=False)
     root = args.cache_dir or default_cache_dir()

@@ -13,11 +13,11 @@ Confidences ``c_1..c_gamma`` are computed after the loop in one batched call: ``
 inside the loop before ``x_k`` is drawn, and the loop stops at the policy's first refusal: positions
 that will not be verified cost no Markov bias and no logits processors.
 
-This module is the PyTorch reference path; a compiled CUDA op (:mod:`dspark_hf.kernels.cuda_ops`) replaces
+This module is the PyTorch reference path; a compiled CUDA op (:mod:`dspark_hf.decoding.cuda_ops`) replaces
 the loop behind :func:`serial_sample` on CUDA tensors for the configurations it supports (greedy or
 temperature-only sampling, vanilla/gated/no Markov head); ``backend=`` forces either path. With an
 ``admission`` callback the op path keeps the same economy: ``c_1`` is offered before the LM head or
-the op runs (:func:`dspark_hf.kernels.cuda_ops.dispatch`).
+the op runs (:func:`dspark_hf.decoding.cuda_ops.dispatch`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _is_draft_vocab_wide(draft: DSparkDraftModel, logits: torch.Tensor) -> bool:
 
 
 def _may_use_cuda_op(backend: str, base_logits: torch.Tensor) -> bool:
-    """Whether to ask :mod:`dspark_hf.kernels.cuda_ops` at all (CPU calls never import it)."""
+    """Whether to ask :mod:`dspark_hf.decoding.cuda_ops` at all (CPU calls never import it)."""
     return backend == "cuda" or (backend == "auto" and base_logits.is_cuda)
 
 
@@ -188,7 +188,7 @@ def serial_sample(
             the same uniforms give the same tokens, up to float rounding at a CDF boundary. Ignored
             when greedy.
         backend: ``"auto"`` (default) uses the compiled CUDA op for CUDA tensors when it supports the
-            call (:func:`dspark_hf.kernels.cuda_ops.unsupported_reason`) and this PyTorch loop otherwise;
+            call (:func:`dspark_hf.decoding.cuda_ops.unsupported_reason`) and this PyTorch loop otherwise;
             ``"reference"`` always the loop; ``"cuda"`` always the op (``ValueError`` naming the
             reason when it cannot run the call, ``CudaOpUnavailable`` when it cannot be built).
         admission: for one request (R = 1), the verify policy's ``offer`` (see
@@ -228,7 +228,7 @@ def serial_sample(
     if _may_use_cuda_op(backend, hidden_states):
         # Imported here, not at the top: CPU-only runs never load the op's module (it registers the
         # operator with torch.library on import). cuda_ops does not import this module back.
-        from ..kernels.cuda_ops import dispatch
+        from .cuda_ops import dispatch
 
         # With admission, the op path keeps the early stop and the lazy LM head (see cuda_ops._draw_admitted).
         result = dispatch(draft, base_logits, hidden_states, anchor_ids, do_sample=do_sample,

@@ -1,5 +1,5 @@
 """What the two serial-sampling paths share: the PyTorch loop (:mod:`dspark_hf.decoding.sampling`) and the
-compiled CUDA op (:mod:`dspark_hf.kernels.cuda_ops`).
+compiled CUDA op (:mod:`dspark_hf.decoding.cuda_ops`).
 
 Both return a :class:`SerialSample`, compute a position's confidence the same way
 (:func:`position_confidence`, with the calibration temperatures of :func:`confidence_temperatures`),

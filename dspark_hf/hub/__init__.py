@@ -16,9 +16,12 @@ because drafts already on the Hub run ``from dspark_hf.hub import run_custom_gen
 from ..model.auto_classes import register_auto_classes
 from ..model.checkpoint_formats import checkpoint_format
 from ..decoding.custom_generate import last_custom_generate_draft, locate_custom_generate_source, run_custom_generate
+from ..model.modeling_dspark import register_hub_upload
 from .draft_export import AUTO_MAP, DEEPSPEC_FIELDS, FORMATS, export, push_to_hub
 from .model_card import render_model_card
 from .vllm_export import vllm_compatibility
+
+register_hub_upload(push_to_hub)  # draft.push_to_hub(...) uploads through the exporter; the model never imports it
 
 __all__ = [
     "AUTO_MAP",

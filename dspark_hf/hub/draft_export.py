@@ -35,7 +35,7 @@ from .model_card import render_model_card
 from .speculators_export import write_speculators
 from .template_files import read_template
 
-if TYPE_CHECKING:  # annotations only: the model class reaches this module through its push_to_hub
+if TYPE_CHECKING:  # annotations only
     from ..model.modeling_dspark import DSparkDraftModel
 
 FORMATS = ("hf", "deepspec", "vllm", "speculators")

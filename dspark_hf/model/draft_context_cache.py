@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import kv_buffers
+from .. import kv_buffers
 
 
 class DraftContextCache:
@@ -15,7 +15,7 @@ class DraftContextCache:
     context tokens and is ``None`` while every token is real.
 
     Outside autograd the keys and values live in buffers with spare room
-    (:mod:`dspark_hf.kernels.kv_buffers`): an append writes the new tokens behind the context, and a draft
+    (:mod:`dspark_hf.kv_buffers`): an append writes the new tokens behind the context, and a draft
     forward writes its block there too (:meth:`with_block`, past the stored length, so the next append
     overwrites it) instead of concatenating a copy of the whole context in every layer. ``keys[i]`` and
     ``values[i]`` are views of the filled part; code that assigns other tensors to them (batched decoding

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu_fast_path import packed_like
+from ..engine_hooks import pack_like
 
 BUFFER_NAME = "draft_vocab_ids"
 
@@ -140,8 +140,9 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
 def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCache) -> nn.Linear:
     """A frozen ``nn.Linear`` holding the rows ``ids`` of ``head`` (weight and bias), cached in ``cache``.
 
-    It runs the way ``head`` runs: when ``head`` was packed by
-    :func:`~dspark_hf.kernels.cpu_fast_path.optimize_for_cpu`, so is the gathered layer. Without this the
+    It runs the way ``head`` runs: when an engine prepared ``head`` (the CPU engine's ``optimize_for_cpu``
+    packs it), the gathered layer is prepared the same way through the engine's packing hook
+    (:func:`dspark_hf.engine_hooks.pack_like`). Without this the
     reduced head would take the stock multi-row CPU path that the fast path exists to avoid (a
     16,384-row subset of SmolLM2's head then cost more per draft round than the packed full head).
     """
@@ -157,7 +158,7 @@ def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCac
             rows.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)), requires_grad=False)
             if bias is not None:
                 rows.bias = nn.Parameter(bias.index_select(0, ids.to(bias.device)), requires_grad=False)
-            return packed_like(head, rows)
+            return pack_like(head, rows)
 
     key = (_tensor_key(weight), _tensor_key(ids), None if bias is None else _tensor_key(bias), type(head))
     return cache.get(key, build)

@@ -128,6 +128,16 @@ class DraftBlockOutput:
     logits: torch.Tensor | None
 
 
+# The Hub exporter's upload (dspark_hf.hub.push_to_hub), set by register_hub_upload when dspark_hf.hub is imported.
+_HUB_UPLOAD: list = []
+
+
+def register_hub_upload(upload) -> None:
+    """Sets the function :meth:`DSparkPreTrainedModel.push_to_hub` delegates to, ``upload(draft, repo_id, **kwargs)``
+    (:mod:`dspark_hf.hub` registers its :func:`~dspark_hf.hub.push_to_hub` on import)."""
+    _HUB_UPLOAD[:] = [upload]
+
+
 class DSparkPreTrainedModel(PreTrainedModel):
     config_class = DSparkConfig
     base_model_prefix = "dspark"
@@ -149,13 +159,16 @@ class DSparkPreTrainedModel(PreTrainedModel):
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Uploads a Hub-ready folder (remote code, ``custom_generate``, model card); see
-        :func:`dspark_hf.hub.push_to_hub` for the arguments."""
-        # The one place the decoding path reaches into the tooling: transformers users call
-        # push_to_hub on the model, and the Hub exporter does the work (tests/test_layout.py lists
-        # this import as the allowed exception; the exporter never imports this module back).
-        from ..hub.draft_export import push_to_hub
-
-        return push_to_hub(self, repo_id, **kwargs)
+        :func:`dspark_hf.push_to_hub` for the arguments (``draft.push_to_hub(repo_id, ...)`` is
+        ``dspark_hf.push_to_hub(draft, repo_id, ...)``)."""
+        # transformers users call push_to_hub on the model; the Hub exporter does the work. It registers
+        # itself here when dspark_hf.hub is imported (the package facade imports it), so this module
+        # never imports the tooling (tests/test_layout.py).
+        if not _HUB_UPLOAD:
+            raise RuntimeError("DSparkDraftModel.push_to_hub uploads through dspark_hf's Hub exporter, which "
+                               "registers when dspark_hf.hub is imported: call dspark_hf.push_to_hub(draft, "
+                               f"{repo_id!r}, ...) (or import dspark_hf.hub first).")
+        return _HUB_UPLOAD[0](self, repo_id, **kwargs)
 
 
 class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
@@ -554,5 +567,5 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 # (dspark_hf/modeling_dspark.py aliases it), so the move into model/ does not change what they print.
 DSparkPreTrainedModel.__module__ = DSparkDraftModel.__module__ = "dspark_hf.modeling_dspark"
 
-__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache",
+__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DraftBlockOutput", "DraftContextCache", "register_hub_upload",
            "default_target_layer_ids", "non_finite_parameters"]

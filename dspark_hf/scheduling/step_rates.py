@@ -27,11 +27,9 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
+from ..engine_hooks import backend_fingerprint
+from ..machine import cpu_model
 from .cost_model import monotone_step_times
-from ..kernels.cpu_decoder import uses_lean_decoder
-from ..kernels.cpu_fast_path import is_optimized_for_cpu
-from ..kernels.cpu_identity import cpu_model
-from ..kernels.kernel_choices import kernel_code_digest
 
 logger = logging.get_logger(__name__)
 
@@ -83,18 +81,15 @@ def _environment(model: torch.nn.Module) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "num_threads": None,
-        # Packed oneDNN linears change the curve's shape and the lean forward its level, so each gets
-        # its own profile.
-        "cpu_fast_path": is_optimized_for_cpu(model),
-        "lean_decoder": uses_lean_decoder(model),
+        # How an engine prepared the model (the CPU engine: packed linears change the curve's shape, the lean
+        # forward its level, a kernel change moves it), so each preparation gets its own profile; {} when stock.
+        "backend": backend_fingerprint(model),
     }
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
     elif device.type == "cpu":
         env["device_name"] = cpu_model()
         env["num_threads"] = torch.get_num_threads()
-        if env["cpu_fast_path"]:  # a kernel change moves the curve
-            env["cpu_kernel_code"] = kernel_code_digest()
     return env
 
 
@@ -146,8 +141,9 @@ def sps_cache_key(model: torch.nn.Module, max_tokens: int, *, context_length: in
     """The on-disk cache key :func:`profile_sps` uses for ``model``.
 
     It hashes the model config (including ``_name_or_path``), the attention implementation, the
-    device (type, and the GPU's or CPU's model name), the dtype, whether the model was prepared with
-    ``optimize_for_cpu`` (and then a digest of the kernels' code), the torch and transformers
+    device (type, and the GPU's or CPU's model name), the dtype, how an engine prepared the model
+    (:func:`dspark_hf.engine_hooks.backend_fingerprint`: for the CPU engine's ``optimize_for_cpu``, packed linears
+    with a digest of the kernels' code, and the lean decoder), the torch and transformers
     versions, ``context_length`` and, on CPU, ``torch.get_num_threads()``; ``max_tokens`` is appended as
     ``-b<max_tokens>``, and a batched profile's ``rows`` before it as ``-r<rows>``. ``context_length``
     is first fitted to the target's positions (:func:`fitted_context_length`), as :func:`profile_sps` does.

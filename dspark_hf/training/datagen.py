@@ -47,7 +47,7 @@ from transformers.utils import logging
 
 from ..chat_text import chat_prompt_ids, encode_prompt, trim_after_eos  # chat_prompt_ids: kept importable here
 from ..decoding.serial_block import draw_categorical
-from ..kernels.cpu_fast_path import optimize_for_cpu
+from ..cpu_engine import prepare_for_cpu
 from .prompt_sources import SOURCES, Prompt, eval_overlap, load_sources, read_eval_prompts, source_versions
 from .target_loading import resolve_target
 
@@ -382,9 +382,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     if args.plan_only:
         return
-    # The CPU fast path makes a batched decoding step cost about a single one.
+    # The CPU engine's fast path makes a batched decoding step cost about a single one (the stock target runs,
+    # logged, where the engine is not installed).
     if target.device.type == "cpu":
-        target = optimize_for_cpu(target)
+        target = prepare_for_cpu(target)
     run_datagen(target, tokenizer, args.out, plan, {**config, "format_version": FORMAT_VERSION},
                 max_prompts=args.max_prompts)
 

@@ -15,6 +15,7 @@ import dataclasses
 
 from transformers import PreTrainedModel
 
+from ..cpu_engine import prepare_for_cpu
 from ..model.modeling_dspark import DSparkDraftModel
 
 METHODS = ("target", "dspark", "prompt-lookup")
@@ -36,16 +37,14 @@ def measure_draft(target: PreTrainedModel, draft: DSparkDraftModel, prompts: dic
     over all, DSpark's and prompt lookup's speed-up over the target, DSpark over prompt lookup, DSpark's
     τ (tokens per target forward) and whether every output equalled the target's.
 
-    ``prepare`` applies :func:`dspark_hf.optimize_for_cpu` to a copy of the draft on the CPU (the
-    target is expected prepared already, as the pipeline leaves it)."""
+    ``prepare`` applies the CPU engine's ``optimize_for_cpu`` to a copy of the draft on the CPU
+    (:func:`dspark_hf.cpu_engine.prepare_for_cpu`; the target is expected prepared already, as the pipeline leaves it)."""
     from ..benchmarks.runner import BenchMethod, run_benchmark
     from ..benchmarks.summary import summarize
 
     draft = copy.deepcopy(draft).eval()
     if prepare and target.device.type == "cpu":
-        from ..kernels.cpu_fast_path import optimize_for_cpu
-
-        optimize_for_cpu(draft)
+        prepare_for_cpu(draft)
     methods = [BenchMethod("target", "target"), BenchMethod("dspark", "dspark", "dspark", "scheduler"),
                BenchMethod("prompt-lookup", "prompt-lookup")]
     records, _ = run_benchmark(target, {"dspark": draft}, prompts, methods, modes=("greedy",),

@@ -40,7 +40,7 @@ from transformers.utils import logging
 
 from ..cache_dir import default_cache_dir
 from ..chat_text import has_chat_template
-from ..kernels.cpu_fast_path import optimize_for_cpu
+from ..cpu_engine import prepare_for_cpu
 from ..model.modeling_dspark import DSparkDraftModel, default_target_layer_ids
 from .budget import StagePlan, measure_target, plan_stages
 from .calibration import calibrate_draft
@@ -345,7 +345,7 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
         vocab = target.config.get_text_config().vocab_size
         check_target_head(target, [(i * 7 + 1) % vocab for i in range(16)], opts.target)
         if opts.prepare_target and target.device.type == "cpu":
-            optimize_for_cpu(target)  # same distribution within rounding; kernels chosen by timing (docs/training.md)
+            prepare_for_cpu(target)  # same distribution within rounding; kernels chosen by timing (docs/training.md)
         accelerator = _accelerator(opts, target.dtype)
         cfg.seed = opts.seed
         if cfg.mask_token_id is None:

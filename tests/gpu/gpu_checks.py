@@ -110,7 +110,7 @@ def _reference_as_op(heads, U, H, anchor, *, do_sample, temperature, uniforms, f
 
 def _op_call(dry_run: bool):
     """serial_sample_cuda, or the reference loop in a dry run; keyword graph= is accepted by both."""
-    from dspark_hf.kernels import cuda_ops
+    from dspark_hf.decoding import cuda_ops
     from dspark_hf.decoding.sampling import serial_sample
 
     if not dry_run:
@@ -222,7 +222,7 @@ def _graphed_replay(gpu, big) -> dict:
     """serial_sample_cuda(graph=True) is bit-identical to the eager op (gamma 7 sampling, 16 greedy)."""
     import torch
 
-    from dspark_hf.kernels import cuda_ops
+    from dspark_hf.decoding import cuda_ops
 
     for gamma, sample in ((7, True), (16, False)):
         case = gpu.Case("graphed", big["vocab"], big["rank"], "gated", "markov", torch.bfloat16, 1, gamma, sample, 0.7)
@@ -440,7 +440,7 @@ def main() -> None:
         print(write_summary(args.out))
         return
     if not args.dry_run and args.stage != "env":  # the build stage compiled it; this loads the cached build
-        from dspark_hf.kernels import cuda_ops
+        from dspark_hf.decoding import cuda_ops
 
         cuda_ops.load_extension()
     rec = Record(args.out, args.stage, args.dry_run)

@@ -118,7 +118,7 @@ if [ "$DRY" = "1" ]; then
   echo "[skipped] build: dry run (no CUDA)" | tee -a "$LOG" >>"$STATUS"
 else
   stage "build the extension" 240 "$RESULTS/build.log" "$PY" -c "
-import time; from dspark_hf import cuda_ops
+import time; from dspark_hf.decoding import cuda_ops
 t = time.time(); cuda_ops.load_extension(verbose=True)
 print(f'extension ready in {time.time() - t:.1f} s at {cuda_ops.extension_dir()}')"
   tail -1 "$RESULTS/build.log" | tee -a "$LOG"

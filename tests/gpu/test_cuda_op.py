@@ -35,7 +35,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from dspark_hf.kernels import cuda_ops
+from dspark_hf.decoding import cuda_ops
 from dspark_hf.benchmarks.measuring import mean_call_ms
 from dspark_hf.configuration_dspark import DSparkConfig
 from dspark_hf.model.heads import ConfidenceHead, MarkovHead
