@@ -199,7 +199,8 @@ def test_profile_command_writes_the_table_the_default_scheduler_then_reads(tmp_p
 
     target = random_target("llama")
     target.save_pretrained(tmp_path / "target")
-    sps = profile_cli.main(["--target", str(tmp_path / "target"), "--max-tokens", "24", "--cache-dir", str(tmp_path)])
+    sps = profile_cli.main(["--target", str(tmp_path / "target"), "--max-tokens", "24", "--cache-dir", str(tmp_path),
+                            "--batch-sizes", "2", "--max-width", "3"])
     assert len(sps) == 24
     from transformers import AutoModelForCausalLM
     from dspark_hf.cpu_engine import prepare_for_cpu
@@ -208,7 +209,9 @@ def test_profile_command_writes_the_table_the_default_scheduler_then_reads(tmp_p
     served = prepare_for_cpu(AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval())
     monkeypatch.setattr(step_rates_module, "profile_sps", lambda *a, **k: pytest.fail("profiled again"))
     model = shared_cost_model(served, cache_dir=tmp_path)
-    assert model.prior_length == 24
+    assert model.prior_length == 24 and not model.estimated
+    batched = shared_cost_model(served, cache_dir=tmp_path, rows=2)  # measured with 2 rows at widths 1..3
+    assert batched.prior_length == 6 and not batched.estimated and batched is not model
 
 
 class SwingingTimes(PrefixScheduler):

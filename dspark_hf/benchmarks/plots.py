@@ -68,7 +68,8 @@ def write_plots(rows: list[dict], sps_record: dict | None, out_dir: Path,
         sizes = list(range(1, len(sps_record["sps"]) + 1))
         if "median_step_seconds" in sps_record:
             ax.plot(sizes, [1e3 * t for t in sps_record["median_step_seconds"]], "o", label="measured median")
-        ax.plot(sizes, [1e3 / r for r in sps_record["sps"]], "-", label="monotone fit (prior)")
+        prior = "cached curve of earlier calls" if sps_record.get("estimated") else "monotone fit (prior)"
+        ax.plot(sizes, [1e3 / r for r in sps_record["sps"]], "-", label=prior)
         if live_sps:
             ax.plot(range(1, len(live_sps) + 1), [1e3 / r for r in live_sps], "--",
                     label="live cost model at the end (used)")

