@@ -267,5 +267,6 @@ class StepCostModel:
         return max(math.exp(abs(self.log_correction(b))) for b in sizes)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(prior {len(self._prior)} sizes, {self._observations} observations, "
+        kind = "estimated prior" if self.estimated else "prior"
+        return (f"{type(self).__name__}({kind} {len(self._prior)} sizes, {self._observations} observations, "
                 f"drift x{self.drift():.2f})")
