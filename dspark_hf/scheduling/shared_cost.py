@@ -234,9 +234,9 @@ def shared_cost_model(
         cost_model = _shared_cost_models.get(model, {}).get(base_key)
     if cost_model is not None:
         return cost_model
-    # Outside the lock: the one-row model may itself be built first.
-    known = shared_cost_model(model, cache_dir=cache_dir) if rows > 1 else None
     found = _longest_cached_profile(directory, base_key) if directory.is_dir() else None
+    # Outside the lock (the one-row model may be built first), and only when there is no table to start from.
+    known = shared_cost_model(model, cache_dir=cache_dir) if rows > 1 and found is None else None
     with _shared_lock:
         per_model = _shared_cost_models.setdefault(model, {})
         cost_model = per_model.get(base_key)
