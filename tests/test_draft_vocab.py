@@ -354,6 +354,14 @@ def test_cached_normaliser_tv_equals_the_full_vocabulary_distance():
                                  weights=position_weights(3), ce_weight=1.0, tv_weight=0.0, conf_weight=0.0)
     expected = -torch.log_softmax(draft_full, -1).gather(-1, labels[..., None]).squeeze(-1)[inside].mean()
     assert math.isfinite(with_ce["ce"].item()) and abs(with_ce["ce"].item() - expected.item()) < 1e-5
+    # to the target's distribution: -sum over the subset of p_t log q (the mass outside is the TV term's)
+    soft = reduced_vocab_loss(draft_subset, target_logits[..., ids], lse, labels, ids, None,
+                              weights=position_weights(3), ce_weight=1.0, tv_weight=0.0, conf_weight=0.0,
+                              ce_target="distribution")
+    p_subset = torch.softmax(target_logits, -1)[..., ids]
+    expected_soft = -(p_subset * torch.log_softmax(draft_subset, -1)).sum(-1)
+    assert abs(soft["ce"].item() - expected_soft.mean().item()) < 1e-5
+    assert abs(soft["label_outside_share"].item() - with_ce["label_outside_share"].item()) < 1e-9
 
 
 def test_vocabulary_choice_and_coverage():

@@ -177,6 +177,26 @@ def test_the_plan_fits_the_data_share_and_refuses_a_budget_that_fits_nothing():
     assert isinstance(plan, StagePlan)
 
 
+def test_a_text_share_buys_teacher_forced_texts_with_what_the_answers_leave_of_the_data_time():
+    costs = TargetCosts(batch_rows=16, batch_prefill_seconds=2.0, batch_step_seconds=0.2, row_step_seconds=0.06,
+                        feature_seconds_per_token=0.002)
+    common = dict(max_new_tokens=256, mean_prompt_tokens=100, min_prompts=96, max_prompts=10_000, shard_size=64)
+    answers_only = plan_stages(3600, 60, costs, **common)
+    half = plan_stages(3600, 60, costs, text_share=0.5, mean_text_tokens=300, max_texts=5_000, **common)
+    per_prompt, per_text = (2.0 + 256 * 0.2) / 16 + 356 * 0.002, 300 * 0.002
+    assert half.prompts < answers_only.prompts and half.prompts * per_prompt <= 0.5 * 0.40 * 3540
+    assert half.prompts * per_prompt + half.texts * per_text <= 0.40 * 3540 < (
+        half.prompts * per_prompt + (half.texts + 1) * per_text)
+    data_seconds = half.seconds["answers"] + half.seconds["features"]  # texts fill what whole answer shards leave
+    assert 0.40 * 3540 - per_text < data_seconds <= 0.40 * 3540
+    assert half.seconds["training"] <= answers_only.seconds["training"]
+    assert "teacher-forced texts" in half.describe() and half.as_json()["texts"] == half.texts
+    capped = plan_stages(3600, 60, costs, text_share=0.9, mean_text_tokens=300, max_texts=200, **common)
+    assert capped.prompts == 96 and capped.texts == 200 - 96  # the held-out answers stay the target's own
+    with pytest.raises(ValueError, match="--text-share 1.0"):
+        plan_stages(3600, 60, costs, text_share=1.0, mean_text_tokens=300, max_texts=5_000, **common)
+
+
 def test_the_default_run_on_a_new_family_plans_its_budget_trains_and_measures(tmp_path):
     """A base model with every property above, defaults only but for the tiny sizes: the plan is
     printed and kept, features are bfloat16, the vocabulary is reduced, the loss is finite, and the

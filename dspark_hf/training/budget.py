@@ -5,8 +5,10 @@ machine: a batch of answers (the prefill and one decode step of ``--generation-b
 one decode step of a single row (what the final measurement runs) and a feature forward per token.
 :func:`plan_stages` then splits the budget:
 
-* **data** (answers, then their features): :data:`DATA_SHARE` of what is left after loading; the
-  number of prompts answered is what fits in it at the measured cost;
+* **data**: :data:`DATA_SHARE` of what is left after loading. Of that, ``1 - text_share`` buys the
+  target's own answers (generation and features; the number of prompts is what fits at the measured
+  cost) and ``text_share`` buys teacher-forced texts, which cost only their feature forward: the
+  target's distribution at every position of an existing text;
 * **training**: what the other stages leave, with the learning-rate schedule sized to the steps that
   fit (the trainer measures its own step time and sets ``max_steps``);
 * **calibration** and the **final measurement**: fixed shares, the measurement's prompts and lengths
@@ -29,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-DATA_SHARE = 0.40  # answers and their features
+DATA_SHARE = 0.40  # answers, texts and their features
+DEFAULT_TEXT_SHARE = 0.0  # of the data time spent on teacher-forced texts rather than answers (docs/training.md)
 CALIBRATION_SHARE = 0.02
 MEASUREMENT_SHARE = 0.10
 MARGIN_SHARE = 0.03  # saving the draft, the card and exports, and a stage that overruns its deadline
@@ -71,6 +74,7 @@ class StagePlan:
     measurement_prompts: int
     measurement_new_tokens: int
     notes: list[str] = field(default_factory=list)
+    texts: int = 0  # teacher-forced texts featurised beside the answers (``--text-share``)
 
     def deadline(self, started: float, stage: str) -> float:
         """The ``time.monotonic()`` by which ``stage`` must end: the planned ends of it and every stage before it."""
@@ -86,13 +90,14 @@ class StagePlan:
                  f"{c.feature_seconds_per_token * 1e3:.2f} ms per token):"]
         for stage, seconds in self.seconds.items():
             what = {"answers": f"{self.prompts} prompts",
+                    "features": f"the answers and {self.texts} teacher-forced texts" if self.texts else "",
                     "measurement": f"{self.measurement_prompts} held-out prompts x {self.measurement_new_tokens} "
                                    "tokens, greedy: target, DSpark, prompt lookup"}.get(stage, "")
             lines.append(f"  {stage:<12} {seconds / 60:6.1f} min  {what}".rstrip())
         return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
     def as_json(self) -> dict:
-        return {"max_time_seconds": self.max_time, "prompts": self.prompts,
+        return {"max_time_seconds": self.max_time, "prompts": self.prompts, "texts": self.texts,
                 "planned_seconds": {k: round(v, 1) for k, v in self.seconds.items()},
                 "measurement_prompts": self.measurement_prompts,
                 "measurement_new_tokens": self.measurement_new_tokens, "costs": asdict(self.costs), "notes": self.notes}
@@ -137,23 +142,29 @@ def measure_target(target: PreTrainedModel, prompt_ids: list[int], *, batch_rows
 
 
 def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_tokens: int, mean_prompt_tokens: float,
-                min_prompts: int, max_prompts: int, shard_size: int) -> StagePlan:
+                min_prompts: int, max_prompts: int, shard_size: int, text_share: float = 0.0,
+                mean_text_tokens: float = 0.0, max_texts: int = 0) -> StagePlan:
     """Splits ``max_time`` (seconds from the command's start, ``elapsed`` already spent loading and measuring).
 
-    Prompts: as many whole shards as the data share buys at the measured cost (answers plus the
-    features of prompt and answer), at least ``min_prompts`` (enough to hold some out and train), at
-    most ``max_prompts`` (what the plan holds). Raises ``ValueError`` when even ``min_prompts`` do not
-    fit, naming the budget that would.
+    Prompts: as many whole shards as ``1 - text_share`` of the data share buys at the measured cost
+    (answers plus the features of prompt and answer), at least ``min_prompts`` (enough to hold some
+    out and train), at most ``max_prompts`` (what the plan holds). Texts: what the rest of the data
+    share buys at ``mean_text_tokens`` feature-forward tokens each, at most ``max_texts`` less the prompts
+    (the texts skip every prompt the target answers, and some prompts come from the same pool). Raises
+    ``ValueError`` when even ``min_prompts`` do not fit, naming the budget that would.
     """
+    if not 0.0 <= text_share < 1.0:
+        raise ValueError(f"--text-share {text_share}: give a fraction of the data time from 0 (answers only) to "
+                         "below 1 (the held-out answers are always the target's own).")
     left = max_time - elapsed
     per_prompt = costs.answer_seconds(max_new_tokens) + (
         (mean_prompt_tokens + max_new_tokens) * costs.feature_seconds_per_token)
     data = DATA_SHARE * left
-    fits = int(data // per_prompt)
+    fits = int(data * (1.0 - text_share) // per_prompt)
     prompts = min(max_prompts, max(min_prompts, fits // shard_size * shard_size or fits))
     notes = []
     needed = elapsed + min_prompts * per_prompt / DATA_SHARE
-    if fits < min_prompts:
+    if int(data // per_prompt) < min_prompts:
         raise ValueError(
             f"--max-time {max_time / 60:.0f} min is too short for this target on this machine: {min_prompts} prompts "
             f"(the fewest that leave some to train on after --held-out) take {min_prompts * per_prompt / 60:.1f} min "
@@ -163,6 +174,11 @@ def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_
         notes.append(f"the prompt plan holds only {max_prompts} prompts; the unused data time goes to training")
     answers = prompts * costs.answer_seconds(max_new_tokens)
     features = prompts * (mean_prompt_tokens + max_new_tokens) * costs.feature_seconds_per_token
+    texts = 0
+    if text_share and mean_text_tokens > 0:
+        per_text = mean_text_tokens * costs.feature_seconds_per_token
+        texts = max(0, min(max_texts - prompts, int((data - answers - features) // per_text)))
+        features += texts * per_text
     measurement = MEASUREMENT_SHARE * left
     # three methods run each prompt; the target alone at the row step, the others faster: 2.5 row-runs per prompt
     new_tokens = 64 if max_new_tokens >= 64 else max_new_tokens
@@ -172,8 +188,8 @@ def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_
     training = left - answers - features - calibration - measurement - MARGIN_SHARE * left
     seconds = {"setup": elapsed, "answers": answers, "features": features, "training": training,
                "calibration": calibration, "measurement": measurement}
-    return StagePlan(max_time, prompts, seconds, costs, measurement_prompts, new_tokens, notes)
+    return StagePlan(max_time, prompts, seconds, costs, measurement_prompts, new_tokens, notes, texts)
 
 
-__all__ = ["CALIBRATION_SHARE", "DATA_SHARE", "MARGIN_SHARE", "MEASUREMENT_SHARE", "StagePlan", "TargetCosts",
+__all__ = ["CALIBRATION_SHARE", "DATA_SHARE", "DEFAULT_TEXT_SHARE", "MARGIN_SHARE", "MEASUREMENT_SHARE", "StagePlan", "TargetCosts",
            "measure_target", "plan_stages"]

@@ -21,6 +21,7 @@ stay importable from here (the same objects).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Iterator
@@ -75,7 +76,8 @@ def sharegpt_prompts(limit: int | None = None, seed: int = 0, min_chars: int = 1
     return prompts[:limit] if limit is not None else prompts
 
 
-def sharegpt_exchanges(seed: int = 0, min_chars: int = 16, max_chars: int = 1500) -> list[tuple[str, str]]:
+@functools.lru_cache(maxsize=2)  # parsing the 125 MB file takes seconds; the plan and the texts stage both read it
+def sharegpt_exchanges(seed: int = 0, min_chars: int = 16, max_chars: int = 1500) -> tuple[tuple[str, str], ...]:
     """(first human turn, first answer) pairs of ShareGPT conversations, deduplicated, seeded order."""
     seen, pairs = set(), []
     for conv in iter_sharegpt_conversations():
@@ -87,7 +89,20 @@ def sharegpt_exchanges(seed: int = 0, min_chars: int = 16, max_chars: int = 1500
             seen.add(prompt)
             pairs.append((prompt, answer))
     random.Random(seed).shuffle(pairs)
-    return pairs
+    return tuple(pairs)
+
+
+def reference_text_tokens(tokenizer: PreTrainedTokenizerBase, *, max_prompt_tokens: int = 256,
+                          max_answer_tokens: int = 256, sample: int = 64, seed: int = 1) -> float:
+    """Mean tokens of a :func:`sharegpt_reference_answers` record (prompt and answer), from the first ``sample``."""
+    lengths = []
+    for prompt, answer in sharegpt_exchanges(seed=seed):
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        if len(prompt_ids) <= max_prompt_tokens:
+            lengths.append(len(prompt_ids) + min(max_answer_tokens, 1 + len(tokenizer.encode(answer, add_special_tokens=False))))
+        if len(lengths) == sample:
+            break
+    return sum(lengths) / max(1, len(lengths))
 
 
 def sharegpt_reference_answers(
@@ -99,6 +114,7 @@ def sharegpt_reference_answers(
     max_prompt_tokens: int = 256,
     max_answer_tokens: int = 256,
     seed: int = 1,
+    show_progress: bool = True,
 ) -> Path:
     """Writes ``count`` chat records whose answers are the original ShareGPT ones (JSONL, cached).
 
@@ -109,7 +125,7 @@ def sharegpt_reference_answers(
     if out_path.exists() and len(load_corpus(out_path)) == count:
         return out_path
     records = []
-    progress = tqdm(total=count, desc="Reference answers", unit="seq")
+    progress = tqdm(total=count, desc="Teacher-forced texts", unit="seq", disable=not show_progress)
     for prompt, answer in sharegpt_exchanges(seed=seed):
         if len(records) == count:
             break
@@ -185,4 +201,4 @@ def load_corpus(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "chat_prompt_ids", "encode_prompt", "generate_answers", "has_chat_template", "load_corpus", "trim_after_eos"]
+__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "reference_text_tokens", "chat_prompt_ids", "encode_prompt", "generate_answers", "has_chat_template", "load_corpus", "trim_after_eos"]

@@ -184,6 +184,7 @@ def reduced_vocab_loss(
     ce_weight: float,
     tv_weight: float,
     conf_weight: float,
+    ce_target: str = "label",
 ) -> dict[str, torch.Tensor]:
     """The paper's loss (:func:`dspark_hf.training.trainer.dspark_loss`) for a reduced draft vocabulary.
 
@@ -194,6 +195,8 @@ def reduced_vocab_loss(
         labels: the true tokens (target ids), (A, gamma).
         confidence_logits: pre-sigmoid ``c_k``, (A, gamma), or None.
         weights: per-position weights (gamma,).
+        ce_target: ``"label"`` or ``"distribution"`` (cross-entropy to the target's distribution over the
+            subset; the mass outside it, which the draft cannot propose, is left to the TV term).
 
     Returns the keys of ``dspark_loss`` (``ce`` averaged over the labels inside the subset) plus
     ``label_outside_share``, the share of positions whose label is outside it (CE skipped there).
@@ -206,13 +209,18 @@ def reduced_vocab_loss(
     ids = draft_vocab_ids.to(labels.device)
     slots = torch.searchsorted(ids, labels).clamp_(max=ids.numel() - 1)
     inside = ids[slots] == labels
-    ce = -log_q.gather(-1, slots.to(log_q.device)[..., None]).squeeze(-1) * inside.to(log_q.device)
+    if ce_target == "distribution":
+        ce = -(p_subset * log_q).sum(-1)
+        counted = torch.ones_like(inside)
+    else:
+        ce = -log_q.gather(-1, slots.to(log_q.device)[..., None]).squeeze(-1) * inside.to(log_q.device)
+        counted = inside
     loss, bce, acceptance = combine_loss_terms(ce, tv, confidence_logits, weights, ce_weight=ce_weight,
                                                tv_weight=tv_weight, conf_weight=conf_weight)
     drafted = ids[draft_logits.argmax(-1).to(ids.device)]
     return {
         "loss": loss,
-        "ce": (ce.sum() / inside.sum().clamp_min(1)).detach(),
+        "ce": (ce.sum() / counted.sum().clamp_min(1)).detach(),
         "tv": tv.mean().detach(),
         "bce": bce.mean().detach(),
         "accuracy": (drafted == labels).float().mean(0).detach(),

@@ -42,9 +42,9 @@ from ..cache_dir import default_cache_dir
 from ..chat_text import has_chat_template
 from ..cpu_engine import prepare_for_cpu
 from ..model.modeling_dspark import DSparkDraftModel, default_target_layer_ids
-from .budget import StagePlan, measure_target, plan_stages
+from .budget import DEFAULT_TEXT_SHARE, StagePlan, measure_target, plan_stages
 from .calibration import calibrate_draft
-from .data import load_corpus, sharegpt_reference_answers
+from .data import load_corpus, reference_text_tokens, sharegpt_exchanges, sharegpt_reference_answers
 from .datagen import (FORMAT_VERSION, load_onpolicy_corpus, load_plan, plan_item_ids, prepare_folder,
                       remove_stale_temporaries, run_datagen)
 from .distributed import Ranks, atomic_write_json
@@ -72,7 +72,8 @@ class PipelineOptions:
     sources: tuple[str, ...] = BUILTIN_SOURCES  # the built-in plan's sources, without --prompts
     corpus: str | None = None
     max_sequences: int | None = None
-    reference_answers: int = 0
+    reference_answers: int | None = None  # teacher-forced texts; None: what --text-share buys in the plan (else 0)
+    text_share: float = DEFAULT_TEXT_SHARE  # of the data time, with --max-time (budget.plan_stages)
     data_dir: str | None = None
     feature_dir: str | None = None
     features: str = "auto"
@@ -217,13 +218,13 @@ def _wanted_prompts(opts: PipelineOptions, plan: list[dict]) -> int:
 
 
 def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks, answer_plan: AnswerPlan, wanted: int,
-             deadline: float | None = None) -> tuple[list[dict], dict]:
-    """The on-policy records (and reference answers), and what the card says about them."""
+             texts: int, deadline: float | None = None) -> tuple[list[dict], dict]:
+    """The on-policy records, then ``texts`` teacher-forced texts, and what the card says about them."""
     tokenizer, plan, folder, config = loaded.tokenizer, answer_plan.plan, answer_plan.folder, answer_plan.config
     if opts.corpus:  # a finished data folder: its shards as they are, nothing generated
         records = load_onpolicy_corpus(opts.corpus)[: opts.max_sequences]
-        facts = {"data": f"{len(records)} answers of the target from {opts.corpus}"}
-        return records + _reference(opts, tokenizer, _answered_texts(plan, records), ranks), facts
+        facts = {"data": f"{len(records)} answers of the target from {opts.corpus}" + _texts_fact(texts)}
+        return records + _reference(opts, texts, tokenizer, _answered_texts(plan, records), ranks), facts
     count = min(wanted, len(plan))
     if count < wanted:
         logger.warning(f"Answers: {wanted} prompts asked for, the plan holds {count} (prompts longer than "
@@ -241,8 +242,12 @@ def _answers(opts: PipelineOptions, loaded: LoadedTarget, ranks: Ranks, answer_p
         logger.warning(f"Answers: {len(records)} of {count} prompts answered within the stage's time share.")
     source = f"prompts of {Path(opts.prompts).name}" if opts.prompts else "prompts of the built-in plan"
     facts = {"data": f"{len(records)} {source} answered by the target ({config['prompt_format']}; even-numbered "
-                     f"greedy, odd sampled at temperature 1), at most {opts.max_new_tokens} new tokens"}
-    return records + _reference(opts, tokenizer, _answered_texts(plan, records), ranks, folder), facts
+                     f"greedy, odd sampled at temperature 1), at most {opts.max_new_tokens} new tokens" + _texts_fact(texts)}
+    return records + _reference(opts, texts, tokenizer, _answered_texts(plan, records), ranks, folder), facts
+
+
+def _texts_fact(texts: int) -> str:
+    return f"; and {texts} ShareGPT exchanges as teacher-forced texts (the target's distributions on them)" if texts else ""
 
 
 def _answered_texts(plan: list[dict], records: list[dict]) -> list[str]:
@@ -251,15 +256,18 @@ def _answered_texts(plan: list[dict], records: list[dict]) -> list[str]:
     return [by_index[r["prompt_index"]] for r in records if r.get("prompt_index") in by_index]
 
 
-def _reference(opts: PipelineOptions, tokenizer, answered: list[str], ranks: Ranks, folder: Path | None = None):
-    """ShareGPT conversations with their original answers (``--reference-answers``), after the target's own;
-    none repeats a prompt the target answered."""
-    if not opts.reference_answers:
+def _reference(opts: PipelineOptions, texts: int, tokenizer, answered: list[str], ranks: Ranks,
+               folder: Path | None = None):
+    """``texts`` ShareGPT conversations with their original answers, after the target's own; none repeats a
+    prompt the target answered. Training on them is teacher forcing: the labels are still the target's
+    distributions (its forward over the text), only the contexts are not its own."""
+    if not texts:
         return []
-    path = (folder or default_cache_dir() / "data") / f"sharegpt_reference.n{opts.reference_answers}.jsonl"
+    path = (folder or default_cache_dir() / "data") / f"sharegpt_reference.n{texts}.jsonl"
     if ranks.is_main:
-        sharegpt_reference_answers(tokenizer, opts.reference_answers, path, exclude_prompts=set(answered),
-                                   max_answer_tokens=opts.max_new_tokens)
+        sharegpt_reference_answers(tokenizer, texts, path, exclude_prompts=set(answered),
+                                   max_prompt_tokens=opts.max_prompt_tokens, max_answer_tokens=opts.max_new_tokens,
+                                   show_progress=opts.show_progress)
     ranks.barrier()
     return load_corpus(path)
 
@@ -356,9 +364,11 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
         answer_plan = _answer_plan(opts, loaded, ranks)
         wanted = _wanted_prompts(opts, answer_plan.plan)
         plan = None
+        texts = opts.reference_answers or 0
         if opts.max_time and not opts.corpus:
             plan = ranks.broadcast(_plan(opts, cfg, loaded, answer_plan, started) if ranks.is_main else None)
             wanted = opts.num_prompts or plan.prompts
+            texts = plan.texts if opts.reference_answers is None else opts.reference_answers
             clock.plan = plan.as_json()
             if ranks.is_main:
                 logger.warning(plan.describe())
@@ -367,7 +377,7 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
         return plan.deadline(started, stage) if plan is not None else None
 
     with clock("answers"):
-        records, data_facts = _answers(opts, loaded, ranks, answer_plan, wanted, deadline("answers"))
+        records, data_facts = _answers(opts, loaded, ranks, answer_plan, wanted, texts, deadline("answers"))
     # held out with or without a confidence head, so a DSpark and a DFlash run on one corpus train on the same data
     held = cfg.held_out_sequences
     if len(records) <= held:
@@ -428,6 +438,9 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
     # decode steps cost more as the context grows: time them half-way through an answer
     midway = (typical * (1 + opts.max_new_tokens // max(1, len(typical))))[: len(typical) + opts.max_new_tokens // 2]
     probe = [{"prompt_ids": typical, "answer_ids": midway[: opts.max_new_tokens]}]
+    with_texts = opts.text_share > 0 and opts.reference_answers is None
+    mean_text_tokens = reference_text_tokens(tokenizer, max_prompt_tokens=opts.max_prompt_tokens,
+                                             max_answer_tokens=opts.max_new_tokens) if with_texts else 0.0
     costs = measure_target(
         loaded.model, midway, batch_rows=opts.generation_batch_size,
         feature_seconds_per_token=lambda: forward_seconds_per_token(loaded.model, probe, cfg.target_layer_ids,
@@ -435,7 +448,10 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
     return plan_stages(opts.max_time, time.monotonic() - started, costs, max_new_tokens=opts.max_new_tokens,
                        mean_prompt_tokens=sum(map(len, sample)) / len(sample),
                        min_prompts=cfg.held_out_sequences + opts.shard_size,
-                       max_prompts=min(len(plan), opts.num_prompts or len(plan)), shard_size=opts.shard_size)
+                       max_prompts=min(len(plan), opts.num_prompts or len(plan)), shard_size=opts.shard_size,
+                       text_share=opts.text_share, mean_text_tokens=min(mean_text_tokens, cfg.max_seq_len),
+                       # not every exchange qualifies (a prompt too long): leave a margin
+                       max_texts=int(0.8 * len(sharegpt_exchanges(seed=1))) if with_texts else 0)
 
 
 def _measure(opts: PipelineOptions, target, draft: DSparkDraftModel, held_out: list[dict], plan: StagePlan | None,

@@ -17,6 +17,7 @@ import re
 
 from transformers.utils import logging
 
+from .budget import DEFAULT_TEXT_SHARE
 from .features import FEATURE_DTYPES, FEATURE_MODES
 from .pipeline import BUILTIN_DEFAULT_PROMPTS, PipelineOptions, run_pipeline
 from .prompts import BUILTIN_SOURCES
@@ -78,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "splitting work between processes")
     data.add_argument("--data-dir", default=None, help="where the answers go (default: a folder under "
                       "$DSPARK_HF_CACHE/answers named after the target and these settings)")
-    data.add_argument("--reference-answers", type=int, default=0,
-                      help="add this many ShareGPT conversations with their original answers (no generation)")
+    data.add_argument("--reference-answers", type=int, default=None,
+                      help="add this many ShareGPT conversations with their original answers as teacher-forced texts "
+                           "(no generation; default: what --text-share buys with --max-time, else none)")
+    data.add_argument("--text-share", type=float, default=DEFAULT_TEXT_SHARE,
+                      help="with --max-time: the fraction of the data time spent on teacher-forced texts (one target "
+                           f"forward each) rather than the target's own answers (default {DEFAULT_TEXT_SHARE})")
 
     feats = parser.add_argument_group("features")
     feats.add_argument("--features", choices=FEATURE_MODES, default="auto",
@@ -114,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--anchors-per-sequence", type=int, default=default.anchors_per_sequence)
     model.add_argument("--max-seq-len", type=int, default=default.max_seq_len)
     model.add_argument("--learning-rate", type=float, default=default.learning_rate)
+    model.add_argument("--loss-weights", type=float, nargs=3, metavar=("CE", "TV", "CONF"),
+                       default=(default.ce_weight, default.tv_weight, default.conf_weight),
+                       help="weights of the cross-entropy, total-variation and confidence terms (default "
+                            f"{default.ce_weight} {default.tv_weight} {default.conf_weight}, the paper's)")
+    model.add_argument("--ce-target", choices=("label", "distribution"), default=default.ce_target,
+                       help="the cross-entropy's aim: the sequence's next token (label, the paper's) or the target's "
+                            "whole next-token distribution")
     model.add_argument("--warmup-steps", type=int, default=default.warmup_steps)
     model.add_argument("--held-out", type=int, default=default.held_out_sequences,
                        help="answers kept out of training for calibrating the confidence head")
@@ -145,11 +157,13 @@ def options_from_args(args: argparse.Namespace) -> tuple[PipelineOptions, Traini
         anchors_per_sequence=args.anchors_per_sequence, max_seq_len=args.max_seq_len,
         warmup_steps=args.warmup_steps, held_out_sequences=args.held_out, init_from_draft=args.init_from_draft,
         save_every=args.save_every, snapshot_every=args.snapshot_every, log_every=args.log_every,
-        draft_vocab_size=args.draft_vocab_size or None, seed=args.seed)
+        draft_vocab_size=args.draft_vocab_size or None, seed=args.seed, ce_weight=args.loss_weights[0],
+        tv_weight=args.loss_weights[1], conf_weight=args.loss_weights[2], ce_target=args.ce_target)
     opts = PipelineOptions(
         output=args.output, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
         sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()),
         corpus=args.corpus, max_sequences=args.max_sequences, reference_answers=args.reference_answers,
+        text_share=args.text_share,
         data_dir=args.data_dir, feature_dir=args.feature_dir, features=args.features,
         max_feature_cache_gb=args.max_feature_cache_gb, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, generation_batch_size=args.generation_batch_size,

@@ -92,6 +92,9 @@ class TrainingConfig:
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
+    # what the cross-entropy term aims at: "label", the sequence's next token (the paper's), or "distribution",
+    # the target's whole next-token distribution (a teacher-forced text's tokens are not the target's own)
+    ce_target: str = "label"
     init_from_target: bool = True
     init_from_draft: str | None = None  # warm start: a saved draft folder with the same architecture
     draft_vocab_size: int | None = None  # reduced draft vocabulary of N ids (dspark_hf.model.draft_vocab); 0/None = all
@@ -144,6 +147,7 @@ def dspark_loss(
     ce_weight: float = 0.1,
     tv_weight: float = 0.9,
     conf_weight: float = 1.0,
+    ce_target: str = "label",
 ) -> dict[str, torch.Tensor]:
     """The paper's loss for blocks of draft predictions.
 
@@ -152,6 +156,8 @@ def dspark_loss(
         target_logits: the target's logits for the same positions, (A, gamma, V).
         labels: the true tokens, (A, gamma).
         confidence_logits: pre-sigmoid ``c_k``, (A, gamma), or None without a confidence head.
+        ce_target: ``"label"`` (cross-entropy to ``labels``) or ``"distribution"`` (to the target's
+            distribution: ``-sum_v p_t(v) log p_d(v)``).
 
     Returns a dict with ``loss`` (mean over blocks of the position-weighted sum), the unweighted
     means ``ce``, ``tv`` (L1 distance), ``bce``, and per-position ``accuracy`` (argmax == label)
@@ -162,7 +168,10 @@ def dspark_loss(
     log_p_draft = torch.log_softmax(draft_logits.float(), dim=-1)
     p_draft = log_p_draft.exp()
     p_target = torch.softmax(target_logits.float(), dim=-1)
-    ce = F.nll_loss(log_p_draft.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels).float()
+    if ce_target == "distribution":
+        ce = -(p_target * log_p_draft).sum(-1)
+    else:
+        ce = F.nll_loss(log_p_draft.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels).float()
     tv = (p_draft - p_target).abs().sum(-1)
     loss, bce, acceptance = combine_loss_terms(ce, tv, confidence_logits, weights, ce_weight=ce_weight,
                                                tv_weight=tv_weight, conf_weight=conf_weight)
@@ -245,11 +254,11 @@ def step_loss(draft, target_head, item, anchors, cfg: TrainingConfig) -> dict[st
         lse = item["target_lse"].to(hidden.device)[label_positions - 1]
         return reduced_vocab_loss(draft_logits, target_logits, lse, labels, draft.draft_vocab_ids, confidence,
                                   weights=position_weights(cfg.block_size, hidden.device), ce_weight=cfg.ce_weight,
-                                  tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight)
+                                  tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight, ce_target=cfg.ce_target)
     with torch.no_grad():
         target_logits = target_head(final[label_positions - 1])
     return dspark_loss(draft_logits, target_logits, labels, confidence, ce_weight=cfg.ce_weight,
-                       tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight)
+                       tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight, ce_target=cfg.ce_target)
 
 
 # ------------------------------------------------------------------------------------ training
