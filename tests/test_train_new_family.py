@@ -18,7 +18,7 @@ from dspark_hf.training import train_cli
 from dspark_hf.training.budget import StagePlan, TargetCosts, plan_stages
 from dspark_hf.training.datagen import InverseCdfSampling, generate_batch
 from dspark_hf.training.draft_vocab_training import AUTO_SIZES, auto_draft_vocab_size
-from dspark_hf.training.features import (ListFeatures, NonFiniteFeatureError, choose_feature_dtype, make_item,
+from dspark_hf.training.features import (ListFeatures, forward_seconds_per_token, NonFiniteFeatureError, choose_feature_dtype, make_item,
                                          record_ids, target_features)
 from dspark_hf.training.trainer import (NonFiniteTrainingError, TrainingConfig, init_from_target_layers, make_draft,
                                         train)
@@ -195,6 +195,20 @@ def test_a_text_share_buys_teacher_forced_texts_with_what_the_answers_leave_of_t
     assert capped.prompts == 96 and capped.texts == 200 - 96  # the held-out answers stay the target's own
     with pytest.raises(ValueError, match="--text-share 1.0"):
         plan_stages(3600, 60, costs, text_share=1.0, mean_text_tokens=300, max_texts=5_000, **common)
+
+
+def test_the_plan_times_the_log_normalisers_a_reduced_vocabulary_caches_beside_the_features():
+    """The cache stores the target's log-normaliser of every position with a reduced vocabulary; the
+    plan timed features without it and promised texts the stage could not featurise in time."""
+    target = random_target()
+    head_rows = []
+    head = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=False)
+    head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[0]))
+    records = [{"prompt_ids": [1, 2, 3], "answer_ids": [4, 5, 6, 7]}] * 2
+    layers = [0]
+    assert forward_seconds_per_token(target, records, layers, 32) > 0 and not head_rows
+    forward_seconds_per_token(target, records, layers, 32, head=head)
+    assert head_rows == [7, 7]  # every timed record's positions went through the head
 
 
 def test_the_default_run_on_a_new_family_plans_its_budget_trains_and_measures(tmp_path):

@@ -48,7 +48,7 @@ from .data import load_corpus, reference_text_tokens, sharegpt_exchanges, shareg
 from .datagen import (FORMAT_VERSION, load_onpolicy_corpus, load_plan, plan_item_ids, prepare_folder,
                       remove_stale_temporaries, run_datagen)
 from .distributed import Ranks, atomic_write_json
-from .draft_vocab_training import auto_draft_vocab_size, special_token_ids
+from .draft_vocab_training import LARGE_VOCAB, auto_draft_vocab_size, special_token_ids
 from .features import (FeatureSource, OnlineFeatures, build_feature_chunks, cache_estimate, choose_feature_dtype,
                        choose_feature_mode, chunk_paths, forward_seconds_per_token, free_disk_bytes, load_feature_chunks)
 from .final_measurement import describe, held_out_prompts, measure_draft
@@ -438,13 +438,17 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
     # decode steps cost more as the context grows: time them half-way through an answer
     midway = (typical * (1 + opts.max_new_tokens // max(1, len(typical))))[: len(typical) + opts.max_new_tokens // 2]
     probe = [{"prompt_ids": typical, "answer_ids": midway[: opts.max_new_tokens]}]
+    vocab = loaded.model.config.get_text_config().vocab_size
+    reduced = cfg.draft_vocab_size or (opts.auto_draft_vocab and cfg.draft_vocab_size is None and vocab > LARGE_VOCAB
+                                       and not cfg.init_from_draft)
+    lse_head = target_head(loaded.model) if reduced else None  # a reduced vocabulary caches log-normalisers too
     with_texts = opts.text_share > 0 and opts.reference_answers is None
     mean_text_tokens = reference_text_tokens(tokenizer, max_prompt_tokens=opts.max_prompt_tokens,
                                              max_answer_tokens=opts.max_new_tokens) if with_texts else 0.0
     costs = measure_target(
         loaded.model, midway, batch_rows=opts.generation_batch_size,
         feature_seconds_per_token=lambda: forward_seconds_per_token(loaded.model, probe, cfg.target_layer_ids,
-                                                                    cfg.max_seq_len, samples=1))
+                                                                    cfg.max_seq_len, samples=1, head=lse_head))
     return plan_stages(opts.max_time, time.monotonic() - started, costs, max_new_tokens=opts.max_new_tokens,
                        mean_prompt_tokens=sum(map(len, sample)) / len(sample),
                        min_prompts=cfg.held_out_sequences + opts.shard_size,
