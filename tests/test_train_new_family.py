@@ -237,6 +237,7 @@ def test_the_default_run_on_a_new_family_plans_its_budget_trains_and_measures(tm
     assert [s["stage"] for s in run["stages"]] == ["setup", "answers", "features", "training", "calibration",
                                                    "measurement", "card and export"]
     assert run["plan"]["prompts"] >= 16 and run["plan"]["prompts"] % 8 == 0
+    assert run["plan"]["texts"] > 0  # the default spends most of the data time on teacher-forced texts
     config = json.loads((out / "training_config.json").read_text())
     assert config["draft_vocab_size"] in AUTO_SIZES
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
@@ -247,5 +248,5 @@ def test_the_default_run_on_a_new_family_plans_its_budget_trains_and_measures(tm
     measured = json.loads((out / "measurement.json").read_text())
     assert measured["all"]["identical"] is True and measured["all"]["tau"] >= 1.0
     card = (out / "README.md").read_text()
-    assert "held-out prompts" in card and "actual of planned" in card
+    assert "held-out prompts" in card and "actual of planned" in card and "teacher-forced texts" in card
     assert sum(s["seconds"] for s in run["stages"]) < 150 * 1.05
