@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -354,18 +355,20 @@ def cache_estimate(records: list[dict], layer_ids: list[int], hidden_size: int, 
 @torch.no_grad()
 def forward_seconds_per_token(target: PreTrainedModel, records: list[dict], layer_ids: list[int],
                               max_seq_len: int, samples: int = 2, head: torch.nn.Module | None = None) -> float:
-    """Measured seconds of a feature forward per token, on the first ``samples`` records (one warm-up);
-    with ``head`` (a reduced draft vocabulary) the target's log-normalisers too, which the cache stores
-    beside the features."""
+    """Measured seconds per token of what the cache does for a record, on the first ``samples`` records
+    (one warm-up): the feature forward, writing the record to disk and, with ``head`` (a reduced draft
+    vocabulary), the target's log-normalisers, which the cache stores beside the features."""
     chosen = records[: max(1, samples)]
     make_item(target, chosen[0], layer_ids, max_seq_len)  # warm-up: first-call allocations and kernels
-    start, tokens = time.perf_counter(), 0
-    for record in chosen:
-        item = make_item(target, record, layer_ids, max_seq_len)
-        if head is not None:
-            add_target_lse([item], head, show_progress=False)
-        tokens += item["ids"].numel()
-    return (time.perf_counter() - start) / max(tokens, 1)
+    with tempfile.TemporaryDirectory() as folder:
+        start, tokens = time.perf_counter(), 0
+        for index, record in enumerate(chosen):
+            item = make_item(target, record, layer_ids, max_seq_len)
+            atomic_torch_save({"items": [item]}, Path(folder) / f"{index}.pt")
+            if head is not None:
+                add_target_lse([item], head, show_progress=False)
+            tokens += item["ids"].numel()
+        return (time.perf_counter() - start) / max(tokens, 1)
 
 
 def free_disk_bytes(folder: str | Path) -> int:
