@@ -317,3 +317,34 @@ def test_reference_texts_avoid_only_the_prompts_the_target_answered():
     plan = [{"prompt_index": i, "text": f"prompt {i}"} for i in range(10)]
     records = [{"prompt_index": 3}, {"prompt_index": 7}, {"index": 0, "mode": "reference"}]
     assert _answered_texts(plan, records) == ["prompt 3", "prompt 7"]
+
+
+def test_reference_texts_plan_estimate_matches_the_records_and_only_a_planned_count_may_fall_short(
+        monkeypatch, tmp_path, caplog):
+    """The plan's mean text length and the texts stage read the same records; a count the user asked for
+    (--reference-answers) that cannot be met is an error, a plan's estimate is met as far as it can be."""
+    from dspark_hf.training import data
+
+    conversations = [{"conversations": [{"from": "human", "value": f"the cat sits on the mat {i}"},
+                                        {"from": "gpt", "value": " ".join(["dog"] * (i % 5 + 1))}]} for i in range(12)]
+    conversations.append({"conversations": [{"from": "human", "value": " ".join(["sun"] * 300)},
+                                            {"from": "gpt", "value": "moon"}]})  # a prompt too long: skipped
+    monkeypatch.setattr(data, "iter_sharegpt_conversations", lambda path=None: iter(conversations))
+    data.sharegpt_exchanges.cache_clear()
+    try:
+        tokenizer = tiny_tokenizer(WORDS)
+        exclude = {"the cat sits on the mat 3"}
+        path = data.sharegpt_reference_answers(tokenizer, 12, tmp_path / "all.jsonl", exclude_prompts=exclude,
+                                               max_prompt_tokens=64, strict=False, show_progress=False)
+        records = data.load_corpus(path)
+        assert len(records) == 11 and "planned" in caplog.text  # 13 exchanges, one excluded, one too long
+        assert all(r["answer_ids"][-1] == tokenizer.eos_token_id and r["mode"] == "reference" for r in records)
+        with pytest.raises(ValueError, match="Only 11 ShareGPT exchanges qualify"):
+            data.sharegpt_reference_answers(tokenizer, 12, tmp_path / "strict.jsonl", exclude_prompts=exclude,
+                                            max_prompt_tokens=64, show_progress=False)
+        mean = data.reference_text_tokens(tokenizer, max_prompt_tokens=64, sample=100)
+        every = data.load_corpus(data.sharegpt_reference_answers(tokenizer, 12, tmp_path / "every.jsonl",
+                                                                 max_prompt_tokens=64, show_progress=False))
+        assert mean == pytest.approx(sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in every) / 12)
+    finally:
+        data.sharegpt_exchanges.cache_clear()

@@ -48,6 +48,8 @@ def test_loss_matches_hand_computation():
     soft_ce = [-(0.8 * math.log(0.5) + 0.2 * math.log(0.5)), -(0.5 * math.log(0.75) + 0.5 * math.log(0.25))]
     assert abs(soft["ce"].item() - sum(soft_ce) / 2) < 1e-6
     assert abs(soft["loss"].item() - sum(w[k] * (0.1 * soft_ce[k] + 0.9 * tv[k]) for k in range(2))) < 1e-5
+    with pytest.raises(ValueError, match="ce_target='distrib'.*'label'.*'distribution'"):
+        dspark_loss(draft_logits, target_logits, labels, None, ce_target="distrib")
 
 def test_anchor_sampling():
     gen = torch.Generator().manual_seed(0)

@@ -150,7 +150,8 @@ def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_
     (answers plus the features of prompt and answer), at least ``min_prompts`` (enough to hold some
     out and train), at most ``max_prompts`` (what the plan holds). Texts: what the rest of the data
     share buys at ``mean_text_tokens`` feature-forward tokens each, at most ``max_texts`` less the prompts
-    (the texts skip every prompt the target answers, and some prompts come from the same pool). Raises
+    (the texts skip every prompt the target answers, and some prompts come from the same pool; fewer may
+    qualify, which the texts stage logs). Raises
     ``ValueError`` when even ``min_prompts`` do not fit, naming the budget that would.
     """
     if not 0.0 <= text_share < 1.0:

@@ -22,6 +22,7 @@ stay importable from here (the same objects).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import random
 from collections.abc import Iterator
@@ -92,16 +93,28 @@ def sharegpt_exchanges(seed: int = 0, min_chars: int = 16, max_chars: int = 1500
     return tuple(pairs)
 
 
+def iter_reference_records(tokenizer: PreTrainedTokenizerBase, *, exclude_prompts: set[str] = frozenset(),
+                           max_prompt_tokens: int = 256, max_answer_tokens: int = 256,
+                           seed: int = 1) -> Iterator[dict]:
+    """Chat records (``prompt_ids``, ``answer_ids``) of ShareGPT exchanges with their original answers, in
+    :func:`sharegpt_exchanges` order: prompts in ``exclude_prompts`` or longer than ``max_prompt_tokens``
+    skipped, answers cut to ``max_answer_tokens`` and ending with the EOS token when whole."""
+    for prompt, answer in sharegpt_exchanges(seed=seed):
+        if prompt in exclude_prompts:
+            continue
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        if len(prompt_ids) > max_prompt_tokens:
+            continue
+        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        yield {"mode": "reference", "prompt_ids": prompt_ids, "answer_ids": answer_ids[:max_answer_tokens]}
+
+
 def reference_text_tokens(tokenizer: PreTrainedTokenizerBase, *, max_prompt_tokens: int = 256,
                           max_answer_tokens: int = 256, sample: int = 64, seed: int = 1) -> float:
     """Mean tokens of a :func:`sharegpt_reference_answers` record (prompt and answer), from the first ``sample``."""
-    lengths = []
-    for prompt, answer in sharegpt_exchanges(seed=seed):
-        prompt_ids = encode_prompt(tokenizer, prompt)
-        if len(prompt_ids) <= max_prompt_tokens:
-            lengths.append(len(prompt_ids) + min(max_answer_tokens, 1 + len(tokenizer.encode(answer, add_special_tokens=False))))
-        if len(lengths) == sample:
-            break
+    records = itertools.islice(iter_reference_records(tokenizer, max_prompt_tokens=max_prompt_tokens,
+                                                      max_answer_tokens=max_answer_tokens, seed=seed), sample)
+    lengths = [len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records]
     return sum(lengths) / max(1, len(lengths))
 
 
@@ -115,32 +128,29 @@ def sharegpt_reference_answers(
     max_answer_tokens: int = 256,
     seed: int = 1,
     show_progress: bool = True,
+    strict: bool = True,
 ) -> Path:
-    """Writes ``count`` chat records whose answers are the original ShareGPT ones (JSONL, cached).
-
-    Prompts in ``exclude_prompts`` (those the target answers itself) are skipped, so no prompt
-    appears twice. Answers are cut to ``max_answer_tokens`` and end with the EOS token when whole.
+    """Writes ``count`` chat records whose answers are the original ShareGPT ones (JSONL, cached;
+    :func:`iter_reference_records`, so no prompt in ``exclude_prompts``, those the target answers
+    itself, appears twice). When fewer qualify, ``strict`` raises ``ValueError``; otherwise it writes
+    those that do, with a warning (a plan's estimate of how many texts fit, not a count the user asked for).
     """
     out_path = Path(out_path)
     if out_path.exists() and len(load_corpus(out_path)) == count:
         return out_path
-    records = []
     progress = tqdm(total=count, desc="Teacher-forced texts", unit="seq", disable=not show_progress)
-    for prompt, answer in sharegpt_exchanges(seed=seed):
-        if len(records) == count:
-            break
-        if prompt in exclude_prompts:
-            continue
-        prompt_ids = encode_prompt(tokenizer, prompt)
-        if len(prompt_ids) > max_prompt_tokens:
-            continue
-        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-        records.append({"index": len(records), "mode": "reference", "prompt_ids": prompt_ids,
-                        "answer_ids": answer_ids[:max_answer_tokens]})
+    records = []
+    for record in itertools.islice(iter_reference_records(
+            tokenizer, exclude_prompts=exclude_prompts, max_prompt_tokens=max_prompt_tokens,
+            max_answer_tokens=max_answer_tokens, seed=seed), count):
+        records.append({"index": len(records), **record})
         progress.update(1)
     progress.close()
     if len(records) < count:
-        raise ValueError(f"Only {len(records)} ShareGPT exchanges qualify; ask for at most that many.")
+        if strict:
+            raise ValueError(f"Only {len(records)} ShareGPT exchanges qualify; ask for at most that many.")
+        logger.warning(f"Teacher-forced texts: {len(records)} ShareGPT exchanges qualify, fewer than the {count} "
+                       "planned; training uses those.")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return out_path
@@ -201,4 +211,4 @@ def load_corpus(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "reference_text_tokens", "chat_prompt_ids", "encode_prompt", "generate_answers", "has_chat_template", "load_corpus", "trim_after_eos"]
+__all__ = ["iter_sharegpt_conversations", "sharegpt_prompts", "sharegpt_exchanges", "sharegpt_reference_answers", "iter_reference_records", "reference_text_tokens", "chat_prompt_ids", "encode_prompt", "generate_answers", "has_chat_template", "load_corpus", "trim_after_eos"]

@@ -29,7 +29,7 @@ from transformers.utils import logging
 
 from ..model.draft_vocab import new_cache, subset_logits
 from ..model.modeling_dspark import DSparkDraftModel
-from .loss_terms import combine_loss_terms
+from .loss_terms import check_ce_target, combine_loss_terms
 
 logger = logging.get_logger(__name__)
 
@@ -209,6 +209,7 @@ def reduced_vocab_loss(
     ids = draft_vocab_ids.to(labels.device)
     slots = torch.searchsorted(ids, labels).clamp_(max=ids.numel() - 1)
     inside = ids[slots] == labels
+    check_ce_target(ce_target)
     if ce_target == "distribution":
         ce = -(p_subset * log_q).sum(-1)
         counted = torch.ones_like(inside)

@@ -12,6 +12,16 @@ import torch
 import torch.nn.functional as F
 
 
+CE_TARGETS = ("label", "distribution")  # what the cross-entropy term aims at (TrainingConfig.ce_target)
+
+
+def check_ce_target(ce_target: str) -> None:
+    """Refuses a ``ce_target`` that is not one of :data:`CE_TARGETS`."""
+    if ce_target not in CE_TARGETS:
+        raise ValueError(f"ce_target={ce_target!r}: choose 'label' (cross-entropy to the sequence's next token, the "
+                         "paper's) or 'distribution' (to the target's whole next-token distribution).")
+
+
 def combine_loss_terms(
     ce: torch.Tensor,
     tv: torch.Tensor,

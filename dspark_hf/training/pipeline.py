@@ -280,7 +280,7 @@ def _reference(opts: PipelineOptions, texts: int, tokenizer, answered: list[str]
     if ranks.is_main:
         sharegpt_reference_answers(tokenizer, texts, path, exclude_prompts=set(answered),
                                    max_prompt_tokens=opts.max_prompt_tokens, max_answer_tokens=opts.max_new_tokens,
-                                   show_progress=opts.show_progress)
+                                   show_progress=opts.show_progress, strict=opts.reference_answers is not None)
     ranks.barrier()
     return load_corpus(path)
 
@@ -397,7 +397,7 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
     if len(records) <= held:
         raise ValueError(f"{len(records)} training sequences and {held} held out for calibration leave none to train "
                          "on; answer more prompts (--num-prompts, a longer --max-time) or hold out fewer (--held-out).")
-    if opts.auto_draft_vocab and cfg.draft_vocab_size is None and not cfg.init_from_draft:
+    if _chooses_draft_vocab(opts, cfg):
         cfg.draft_vocab_size, why = auto_draft_vocab_size(records[held:], vocab, special_token_ids(
             target, cfg.mask_token_id))
         if ranks.is_main:
@@ -453,8 +453,7 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
     midway = (typical * (1 + opts.max_new_tokens // max(1, len(typical))))[: len(typical) + opts.max_new_tokens // 2]
     probe = [{"prompt_ids": typical, "answer_ids": midway[: opts.max_new_tokens]}]
     vocab = loaded.model.config.get_text_config().vocab_size
-    reduced = cfg.draft_vocab_size or (opts.auto_draft_vocab and cfg.draft_vocab_size is None and vocab > LARGE_VOCAB
-                                       and not cfg.init_from_draft)
+    reduced = cfg.draft_vocab_size or (_chooses_draft_vocab(opts, cfg) and vocab > LARGE_VOCAB)
     lse_head = target_head(loaded.model) if reduced else None  # a reduced vocabulary caches log-normalisers too
     with_texts = opts.text_share > 0 and opts.reference_answers is None
     mean_text_tokens = reference_text_tokens(tokenizer, max_prompt_tokens=opts.max_prompt_tokens,
@@ -468,8 +467,13 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
                        min_prompts=cfg.held_out_sequences + opts.shard_size,
                        max_prompts=min(len(plan), opts.num_prompts or len(plan)), shard_size=opts.shard_size,
                        text_share=opts.text_share, mean_text_tokens=min(mean_text_tokens, cfg.max_seq_len),
-                       # not every exchange qualifies (a prompt too long): leave a margin
-                       max_texts=int(0.8 * len(sharegpt_exchanges(seed=1))) if with_texts else 0)
+                       max_texts=len(sharegpt_exchanges(seed=1)) if with_texts else 0)
+
+
+def _chooses_draft_vocab(opts: PipelineOptions, cfg: TrainingConfig) -> bool:
+    """Whether the run sizes the draft vocabulary from the answers (``auto_draft_vocab_size``: reduced above
+    ``LARGE_VOCAB`` ids)."""
+    return opts.auto_draft_vocab and cfg.draft_vocab_size is None and not cfg.init_from_draft
 
 
 def _measure(opts: PipelineOptions, target, draft: DSparkDraftModel, held_out: list[dict], plan: StagePlan | None,

@@ -19,6 +19,7 @@ from transformers.utils import logging
 
 from .budget import DEFAULT_TEXT_SHARE
 from .features import FEATURE_DTYPES, FEATURE_MODES
+from .loss_terms import CE_TARGETS
 from .pipeline import BUILTIN_DEFAULT_PROMPTS, PipelineOptions, run_pipeline
 from .prompts import BUILTIN_SOURCES
 from .target_loading import PRESETS
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=(default.ce_weight, default.tv_weight, default.conf_weight),
                        help="weights of the cross-entropy, total-variation and confidence terms (default "
                             f"{default.ce_weight} {default.tv_weight} {default.conf_weight}, the paper's)")
-    model.add_argument("--ce-target", choices=("label", "distribution"), default=default.ce_target,
+    model.add_argument("--ce-target", choices=CE_TARGETS, default=default.ce_target,
                        help="the cross-entropy's aim: the sequence's next token (label, the paper's) or the target's "
                             "whole next-token distribution")
     model.add_argument("--warmup-steps", type=int, default=default.warmup_steps)

@@ -47,7 +47,7 @@ from .draft_start import init_from_saved_draft, init_from_target_layers
 from .draft_vocab_training import (add_target_lse, coverage, reduced_vocab_loss, select_draft_vocab,
                                    special_token_ids, target_subset_logits, token_counts)
 from .features import FeatureSource, ListFeatures, as_feature_source, build_feature_cache, target_features
-from .loss_terms import combine_loss_terms
+from .loss_terms import check_ce_target, combine_loss_terms
 from .target_loading import finish_logits, plain_head, target_head
 
 # Re-exported: the feature functions lived here before features.py (benchmarks and tests import them).
@@ -168,6 +168,7 @@ def dspark_loss(
     log_p_draft = torch.log_softmax(draft_logits.float(), dim=-1)
     p_draft = log_p_draft.exp()
     p_target = torch.softmax(target_logits.float(), dim=-1)
+    check_ce_target(ce_target)
     if ce_target == "distribution":
         ce = -(p_target * log_p_draft).sum(-1)
     else:
