@@ -10,6 +10,8 @@ an on-policy data folder and prints
 
     python benchmarks/training_step.py --data data/smollm2-onpolicy --steps 6
 
+``--precision float32 bfloat16`` times the draft's matmuls in both precisions the same way.
+
 ``--draft-vocab-size 0 8192 16384`` times drafts with those draft vocabularies (0 = the full one,
 :mod:`dspark_hf.model.draft_vocab`) in one run, their steps interleaved on the same batches, and prints each
 one's time relative to the first: on a busy machine the ratio means more than the absolute numbers.
@@ -34,6 +36,7 @@ from dspark_hf.demo_target import load_smollm2
 from dspark_hf.training.datagen import load_onpolicy_corpus
 from dspark_hf.training.draft_vocab_training import (add_target_lse, answer_tokens, select_draft_vocab, special_token_ids,
                                             token_counts)
+from dspark_hf.training.precision import precision_context
 from dspark_hf.training.trainer import TrainingConfig, make_draft, sample_anchors, step_loss, target_features
 
 
@@ -58,13 +61,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="training_config.json whose draft and batch settings to use")
     parser.add_argument("--draft-vocab-size", type=int, nargs="+", default=[0],
                         help="draft vocabulary sizes to time side by side (0 = the full vocabulary)")
+    parser.add_argument("--precision", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
+                        help="training precisions to time side by side (each with every vocabulary size)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     known = TrainingConfig.__dataclass_fields__
     settings = json.loads(args.config.read_text()) if args.config.is_file() else {}
-    base_cfg = TrainingConfig(**{k: v for k, v in settings.items() if k in known})
+    # a timing needs no warm start (the shipped config names the folder its draft grew from)
+    base_cfg = TrainingConfig(**{k: v for k, v in settings.items() if k in known and k != "init_from_draft"})
     target, _ = load_smollm2()
     target.requires_grad_(False)
     head = target.get_output_embeddings()
@@ -73,15 +79,15 @@ def main(argv: list[str] | None = None) -> None:
     if any(args.draft_vocab_size):
         counts = token_counts(answer_tokens(load_onpolicy_corpus(args.data)), vocab)
     variants = []  # (label, cfg, draft, optimizer)
-    for size in args.draft_vocab_size:
-        cfg = replace(base_cfg, draft_vocab_size=size or None)
+    for size, precision in [(size, p) for size in args.draft_vocab_size for p in args.precision]:
+        cfg = replace(base_cfg, draft_vocab_size=size or None, precision=precision)
         ids = select_draft_vocab(counts, size, special_token_ids(target, cfg.mask_token_id)) if size else None
         torch.manual_seed(cfg.seed)
         draft = make_draft(target, cfg, ids)
         draft.bind_target(target)
         draft.train()
         optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.learning_rate)
-        variants.append((f"vocabulary {size or vocab}", cfg, draft, optimizer))
+        variants.append((f"vocabulary {size or vocab}, {precision}", cfg, draft, optimizer))
     cfg = base_cfg
 
     layer_ids = list(base_cfg.target_layer_ids or variants[0][2].config.target_layer_ids)
@@ -104,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         _, step_cfg, draft, optimizer = variant
         pairs = batches[step]
         start = time.perf_counter()
-        loss = torch.stack([step_loss(draft, head, item, anchors, step_cfg)["loss"] for item, anchors in pairs]).mean()
+        with precision_context(step_cfg.precision, head.weight.device):
+            loss = torch.stack([step_loss(draft, head, item, anchors, step_cfg)["loss"] for item, anchors in pairs]).mean()
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 import dspark_hf.decoding.batched as batched
 from dspark_hf import PrefixScheduler, StepCostModel
-from dspark_hf.scheduling.drafting_gate import record_gate_round
-from dspark_hf.scheduling.drafting_gate import DraftingGate
+from dspark_hf.scheduling.drafting_gate import DraftingGate, record_gate_round
 from dspark_hf.scheduling.shared_cost import _ProfileDrift
 from generation_helpers import left_pad
 from tiny_models import markov_draft, random_target, target_next_token_table
@@ -256,6 +256,29 @@ def test_a_batched_call_gets_a_gate_with_a_margin_and_the_margin_decides_ties():
     assert not gate.should_draft()  # 3% faster than plain steps: within the margin, plain wins
     gate.record_drafted(113, 1.0)  # now 8% faster on average
     assert gate.should_draft()
+
+
+def test_a_second_call_starts_from_what_the_last_call_with_its_rows_learnt_about_drafting():
+    """Counted, not timed: the first call's gate learnt that drafting loses at R = 4 (two drafted rounds
+    at 20 tokens/s against plain steps at 40); the next call with 4 rows starts with plain steps, while
+    a call with other rows, sampling, or another draft starts afresh (drafting its first round)."""
+    from dspark_hf.decoding.settings import resolve_drafting_gate
+
+    target, draft = _pair()
+    policy = PrefixScheduler(FLAT_SPS)
+    first = resolve_drafting_gate(draft, policy, None, 4)
+    assert first.should_draft()  # nothing learnt yet in this process
+    for _ in range(first.warmup_rounds + first.min_rounds):
+        first.record_drafted(8, 0.4)
+    first.record_plain(0.1, tokens=4)
+    assert not first.should_draft()
+    second = resolve_drafting_gate(draft, policy, None, 4)
+    assert second is not first and not second.warming_up
+    assert [second.should_draft() for _ in range(second.probe_interval())] == [False] * (second.probe_interval() - 1) + [True]
+    assert resolve_drafting_gate(draft, policy, None, 8).should_draft()
+    assert resolve_drafting_gate(draft, policy, GenerationConfig(do_sample=True), 4).should_draft()
+    _, other_draft = _pair()
+    assert resolve_drafting_gate(other_draft, policy, None, 4).should_draft()
 
 
 def test_the_batched_gate_is_not_asked_when_no_source_can_propose():

@@ -15,7 +15,8 @@ from tiny_models import bigram_target, gemma_like_target, random_target, tiny_to
 
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import train_cli
-from dspark_hf.training.budget import StagePlan, TargetCosts, plan_stages
+from dspark_hf.training.budget import (DATA_SHARE, MEASUREMENT_FIXED_SECONDS, MEASUREMENT_SHARE, MEASUREMENT_SLACK,
+                                       StagePlan, TargetCosts, plan_stages)
 from dspark_hf.training.datagen import InverseCdfSampling, generate_batch
 from dspark_hf.training.draft_vocab_training import AUTO_SIZES, auto_draft_vocab_size
 from dspark_hf.training.features import (ListFeatures, forward_seconds_per_token, NonFiniteFeatureError, choose_feature_dtype, make_item,
@@ -166,7 +167,7 @@ def test_the_plan_fits_the_data_share_and_refuses_a_budget_that_fits_nothing():
     plan = plan_stages(3600, 60, costs, max_new_tokens=256, mean_prompt_tokens=100, min_prompts=96, max_prompts=10_000,
                        shard_size=64)
     per_prompt = (2.0 + 256 * 0.2) / 16 + 356 * 0.002
-    assert plan.prompts % 64 == 0 and plan.prompts * per_prompt <= 0.40 * 3540 < (plan.prompts + 64) * per_prompt
+    assert plan.prompts % 64 == 0 and plan.prompts * per_prompt <= DATA_SHARE * 3540 < (plan.prompts + 64) * per_prompt
     assert sum(plan.seconds.values()) < 3600
     assert plan.deadline(0.0, "training") == pytest.approx(sum(plan.seconds[s] for s in
                                                                ("setup", "answers", "features", "training")))
@@ -177,6 +178,24 @@ def test_the_plan_fits_the_data_share_and_refuses_a_budget_that_fits_nothing():
     assert isinstance(plan, StagePlan)
 
 
+def test_the_measurement_is_planned_at_what_its_prompts_cost_and_training_gets_the_rest():
+    costs = TargetCosts(batch_rows=16, batch_prefill_seconds=2.0, batch_step_seconds=0.2, row_step_seconds=0.02,
+                        feature_seconds_per_token=0.002)
+    common = dict(max_new_tokens=256, mean_prompt_tokens=100, min_prompts=96, max_prompts=10_000, shard_size=64)
+    few = plan_stages(3600, 60, costs, held_out=8, **common)
+    many = plan_stages(3600, 60, costs, held_out=32, **common)
+    per_measured = 2.5 * 64 * 0.02  # three methods, 64 new tokens each, at the row step
+    assert few.measurement_prompts == many.measurement_prompts == 12  # per source, within the share
+    assert few.seconds["measurement"] == pytest.approx(MEASUREMENT_FIXED_SECONDS + MEASUREMENT_SLACK * 8 * per_measured)
+    assert many.seconds["measurement"] == pytest.approx(MEASUREMENT_FIXED_SECONDS + MEASUREMENT_SLACK * 32 * per_measured)
+    assert few.seconds["training"] - many.seconds["training"] == pytest.approx(MEASUREMENT_SLACK * 24 * per_measured)
+    slow = TargetCosts(batch_rows=16, batch_prefill_seconds=2.0, batch_step_seconds=0.2, row_step_seconds=1.0,
+                       feature_seconds_per_token=0.002)  # a slow target: the share caps the measurement
+    capped = plan_stages(3600, 60, slow, held_out=32, **common)
+    assert capped.seconds["measurement"] == pytest.approx(MEASUREMENT_SHARE * 3540)
+    assert capped.measurement_prompts == int(MEASUREMENT_SHARE * 3540 // (2.5 * 64 * 1.0))
+
+
 def test_a_text_share_buys_teacher_forced_texts_with_what_the_answers_leave_of_the_data_time():
     costs = TargetCosts(batch_rows=16, batch_prefill_seconds=2.0, batch_step_seconds=0.2, row_step_seconds=0.06,
                         feature_seconds_per_token=0.002)
@@ -184,11 +203,11 @@ def test_a_text_share_buys_teacher_forced_texts_with_what_the_answers_leave_of_t
     answers_only = plan_stages(3600, 60, costs, **common)
     half = plan_stages(3600, 60, costs, text_share=0.5, mean_text_tokens=300, max_texts=5_000, **common)
     per_prompt, per_text = (2.0 + 256 * 0.2) / 16 + 356 * 0.002, 300 * 0.002
-    assert half.prompts < answers_only.prompts and half.prompts * per_prompt <= 0.5 * 0.40 * 3540
-    assert half.prompts * per_prompt + half.texts * per_text <= 0.40 * 3540 < (
+    assert half.prompts < answers_only.prompts and half.prompts * per_prompt <= 0.5 * DATA_SHARE * 3540
+    assert half.prompts * per_prompt + half.texts * per_text <= DATA_SHARE * 3540 < (
         half.prompts * per_prompt + (half.texts + 1) * per_text)
     data_seconds = half.seconds["answers"] + half.seconds["features"]  # texts fill what whole answer shards leave
-    assert 0.40 * 3540 - per_text < data_seconds <= 0.40 * 3540
+    assert DATA_SHARE * 3540 - per_text < data_seconds <= DATA_SHARE * 3540
     assert half.seconds["training"] <= answers_only.seconds["training"]
     assert "teacher-forced texts" in half.describe() and half.as_json()["texts"] == half.texts
     capped = plan_stages(3600, 60, costs, text_share=0.9, mean_text_tokens=300, max_texts=200, **common)

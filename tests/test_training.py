@@ -124,6 +124,49 @@ def test_training_steps_reduce_the_loss_and_resume(tmp_path):
     assert _eval_loss(resumed.eval(), target, items, cfg) < before
 
 
+def test_training_in_bfloat16_keeps_the_loss_in_float32_and_learns(tmp_path):
+    from dspark_hf.training.precision import precision_context
+
+    target, items, cfg = _bigram_setup(tmp_path)
+    torch.manual_seed(cfg.seed)
+    draft = make_draft(target, cfg).eval()
+    anchors = sample_anchors(items[0]["ids"].numel(), items[0]["answer_start"], 8, cfg.block_size,
+                             torch.Generator().manual_seed(3))
+    head = target.get_output_embeddings()
+    seen = []
+    hook = draft.fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    with torch.no_grad():
+        exact = step_loss(draft, head, items[0], anchors, cfg)
+        with precision_context("bfloat16", torch.device("cpu")):
+            rounded = step_loss(draft, head, items[0], anchors, cfg)
+    hook.remove()
+    assert seen == [torch.float32, torch.bfloat16]  # the matmuls ran in bfloat16 under the context
+    assert rounded["loss"].dtype == torch.float32
+    assert rounded["loss"].item() == pytest.approx(exact["loss"].item(), rel=0.02)
+    torch.manual_seed(cfg.seed)
+    before = _eval_loss(make_draft(target, cfg).eval(), target, items, cfg)
+    trained = train(target, items, dataclasses.replace(cfg, precision="bfloat16"), tmp_path / "bf16")
+    assert _eval_loss(trained.eval(), target, items, cfg) < 0.7 * before
+    assert trained.fc.weight.dtype == torch.float32  # the weights and the optimiser stay float32
+
+
+def test_auto_precision_takes_bfloat16_only_where_this_machine_runs_it_clearly_faster(monkeypatch):
+    import dspark_hf.training.precision as precision
+
+    cpu = torch.device("cpu")
+    assert precision.resolve_precision("bfloat16", cpu, rows=1, hidden=1, vocab=1) == ("bfloat16", "asked for")
+    with pytest.raises(ValueError, match="float16.*auto, float32, bfloat16"):
+        precision.resolve_precision("float16", cpu, rows=1, hidden=1, vocab=1)
+    chosen, why = precision.resolve_precision("auto", cpu, rows=8, hidden=16, vocab=12)
+    assert chosen == "float32" and "too little to matter" in why  # a tiny draft: the probe would be noise
+    for fp32, bf16, expected in ((0.040, 0.015, "bfloat16"), (0.040, 0.035, "float32"), (0.040, 0.080, "float32")):
+        times = iter([fp32, bf16])
+        monkeypatch.setattr(precision, "_median_seconds", lambda fn, repeats=5: next(times))
+        chosen, why = precision.resolve_precision("auto", cpu, rows=112, hidden=576, vocab=32768)
+        assert chosen == expected and f"{fp32 / bf16:.2f}x" in why
+    assert precision.resolve_precision("auto", torch.device("meta"), rows=1, hidden=1, vocab=1)[0] == "float32"
+
+
 def test_sequential_temperature_scaling_recovers_known_miscalibration():
     gen = torch.Generator().manual_seed(0)
     true_logits = torch.randn(4000, 4, generator=gen) + 1.0

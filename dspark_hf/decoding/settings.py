@@ -49,7 +49,7 @@ from .context_lookup import ContextLookup
 # The draft's run-time state moved below the model; DraftRuntimeSettings and record_generation_stats
 # are still importable from here.
 from ..model.draft_runtime import GATE_FIELD, POLICY_FIELD, DraftRuntimeSettings, record_generation_stats
-from ..scheduling.drafting_gate import DraftingGate
+from ..scheduling.drafting_gate import DraftingGate, continue_earlier_gate
 from ..scheduling.policies import FixedLengthPolicy, PerPositionThresholdPolicy, PrefixScheduler, ThresholdPolicy, VerifyPolicy
 from ..scheduling.shared_cost import cost_model_covering, shared_cost_model
 
@@ -306,7 +306,10 @@ def resolve_drafting_gate(draft: PreTrainedModel, policy: VerifyPolicy,
     """A fresh gate for this call from ``dspark_adaptive_drafting``: None (default) turns it on for
     the confidence-driven policies (scheduler, thresholds) and off for fixed lengths; True/False
     force it; a :class:`DraftingGate` instance is copied (its settings, fresh history). The gate
-    made here for a batch (``num_rows > 1``) is :meth:`DraftingGate.for_batches`."""
+    made here for a batch (``num_rows > 1``) is :meth:`DraftingGate.for_batches`; a default gate
+    continues from the last one made for this draft with as many rows and the same sampling
+    (:func:`~dspark_hf.scheduling.drafting_gate.continue_earlier_gate`), so a second call does not
+    pay again for learning that drafting loses."""
     choice, where = _setting(GATE_FIELD, draft, generation_config)
     if isinstance(choice, DraftingGate):
         return copy.deepcopy(choice)
@@ -318,7 +321,9 @@ def resolve_drafting_gate(draft: PreTrainedModel, policy: VerifyPolicy,
         )
     if not choice:
         return None
-    return DraftingGate.for_batches() if num_rows > 1 else DraftingGate()
+    gate = DraftingGate.for_batches() if num_rows > 1 else DraftingGate()
+    sampling = bool(getattr(generation_config, "do_sample", False))
+    return continue_earlier_gate(draft, (num_rows, sampling), gate)
 
 
 def resolve_context_lookup(draft: PreTrainedModel, generation_config: GenerationConfig | None,

@@ -7,9 +7,10 @@ speculative decoding emits; it only spares the draft's cost where drafting does 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+import weakref
+from typing import Hashable, Protocol
 
-__all__ = ["BATCHED_GATE_MARGIN", "DraftingGate", "GateRecorder", "record_gate_round"]
+__all__ = ["BATCHED_GATE_MARGIN", "DraftingGate", "GateRecorder", "continue_earlier_gate", "record_gate_round"]
 
 
 # Batched rounds speculate only when they beat plain batched steps by this much (see DraftingGate).
@@ -146,9 +147,36 @@ class DraftingGate:
         """A plain target step (one token per running sequence: ``tokens``) took ``seconds``."""
         self._plain = (self._plain + [(tokens, seconds)])[-self.window :]
 
+    def continue_from(self, earlier: "DraftingGate") -> None:
+        """Starts from what ``earlier`` (a gate of an earlier call with the same draft and rows) learnt:
+        its recent rounds of each kind, without a warm-up (that call warmed the shapes up). A call
+        whose predecessor found drafting did not pay then starts with plain steps and probes, instead
+        of paying the drafted rounds it takes to learn that again."""
+        self._drafted = list(earlier._drafted)[-self.window:]
+        self._plain = list(earlier._plain)[-self.window:]
+        if self._drafted or self._plain:
+            self._warmup_left = 0
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(window={self.window}, probe_every={self.probe_every}, "
                 f"probe_budget={self.probe_budget}, margin={self.margin}, warmup_rounds={self.warmup_rounds})")
+
+
+# The last default gate made per draft and call shape; a weak key, so a draft that is deleted takes its gates along.
+_EARLIER_GATES: "weakref.WeakKeyDictionary[object, dict[Hashable, DraftingGate]]" = weakref.WeakKeyDictionary()
+
+
+def continue_earlier_gate(owner: object, key: Hashable, gate: DraftingGate) -> DraftingGate:
+    """``gate``, continued from the last gate made for ``owner`` (the draft) and ``key`` (rows,
+    sampling) in this process (:meth:`DraftingGate.continue_from`), and remembered for the next such
+    call. What earlier calls' rounds taught is process memory, like a kernel choice: it changes
+    which rounds draft, never what a call emits."""
+    gates = _EARLIER_GATES.setdefault(owner, {})
+    earlier = gates.get(key)
+    if earlier is not None:
+        gate.continue_from(earlier)
+    gates[key] = gate
+    return gate
 
 
 class GateRecorder(Protocol):

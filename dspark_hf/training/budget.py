@@ -36,6 +36,11 @@ DEFAULT_TEXT_SHARE = 0.8  # of the data time spent on teacher-forced texts rathe
 CALIBRATION_SHARE = 0.02
 MEASUREMENT_SHARE = 0.10
 MARGIN_SHARE = 0.03  # saving the draft, the card and exports, and a stage that overruns its deadline
+MEASURED_PER_SOURCE = 12  # held-out prompts measured per prompt source, at most
+MEASUREMENT_SLACK = 1.25  # planned over estimated prompt time (SmolLM2, 45-min run: 69 s taken for 64 s estimated)
+# preparing the draft for the CPU, warm-ups and generate's own overhead, whatever the prompts (a tiny test
+# target's measurement of 3 prompts x 16 tokens took 31 s with another job on the 2 cores)
+MEASUREMENT_FIXED_SECONDS = 30.0
 MEASURE_NEW_TOKENS = 8  # decode steps timed one by one per measurement (after one untimed warm-up step)
 
 
@@ -143,7 +148,7 @@ def measure_target(target: PreTrainedModel, prompt_ids: list[int], *, batch_rows
 
 def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_tokens: int, mean_prompt_tokens: float,
                 min_prompts: int, max_prompts: int, shard_size: int, text_share: float = 0.0,
-                mean_text_tokens: float = 0.0, max_texts: int = 0) -> StagePlan:
+                mean_text_tokens: float = 0.0, max_texts: int = 0, held_out: int = 32, sources: int = 3) -> StagePlan:
     """Splits ``max_time`` (seconds from the command's start, ``elapsed`` already spent loading and measuring).
 
     Prompts: as many whole shards as ``1 - text_share`` of the data share buys at the measured cost
@@ -151,7 +156,8 @@ def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_
     out and train), at most ``max_prompts`` (what the plan holds). Texts: what the rest of the data
     share buys at ``mean_text_tokens`` feature-forward tokens each, at most ``max_texts`` less the prompts
     (the texts skip every prompt the target answers, and some prompts come from the same pool; fewer may
-    qualify, which the texts stage logs). Raises
+    qualify, which the texts stage logs). The measurement gets what ``held_out`` answers' prompts (at most
+    :data:`MEASURED_PER_SOURCE` of each of ``sources``) cost, within :data:`MEASUREMENT_SHARE`. Raises
     ``ValueError`` when even ``min_prompts`` do not fit, naming the budget that would.
     """
     if not 0.0 <= text_share < 1.0:
@@ -180,11 +186,14 @@ def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_
         per_text = mean_text_tokens * costs.feature_seconds_per_token
         texts = max(0, min(max_texts - prompts, int((data - answers - features) // per_text)))
         features += texts * per_text
-    measurement = MEASUREMENT_SHARE * left
     # three methods run each prompt; the target alone at the row step, the others faster: 2.5 row-runs per prompt
     new_tokens = 64 if max_new_tokens >= 64 else max_new_tokens
     per_measured = 2.5 * new_tokens * costs.row_step_seconds
-    measurement_prompts = max(1, min(12, int(measurement // per_measured)))
+    measurement_prompts = max(1, min(MEASURED_PER_SOURCE, int(MEASUREMENT_SHARE * left // per_measured)))
+    # The measurement is the last stage, so time it leaves unused is lost: plan what its prompts cost (at
+    # most the held-out answers, with slack for preparing the draft), within its share, and train instead.
+    measured = min(held_out, measurement_prompts * max(1, sources))
+    measurement = min(MEASUREMENT_SHARE * left, MEASUREMENT_FIXED_SECONDS + MEASUREMENT_SLACK * measured * per_measured)
     calibration = CALIBRATION_SHARE * left
     training = left - answers - features - calibration - measurement - MARGIN_SHARE * left
     seconds = {"setup": elapsed, "answers": answers, "features": features, "training": training,
@@ -192,5 +201,6 @@ def plan_stages(max_time: float, elapsed: float, costs: TargetCosts, *, max_new_
     return StagePlan(max_time, prompts, seconds, costs, measurement_prompts, new_tokens, notes, texts)
 
 
-__all__ = ["CALIBRATION_SHARE", "DATA_SHARE", "DEFAULT_TEXT_SHARE", "MARGIN_SHARE", "MEASUREMENT_SHARE", "StagePlan", "TargetCosts",
+__all__ = ["CALIBRATION_SHARE", "DATA_SHARE", "DEFAULT_TEXT_SHARE", "MARGIN_SHARE", "MEASUREMENT_FIXED_SECONDS",
+           "MEASUREMENT_SHARE", "MEASUREMENT_SLACK", "MEASURED_PER_SOURCE", "StagePlan", "TargetCosts",
            "measure_target", "plan_stages"]

@@ -467,7 +467,8 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
                        min_prompts=cfg.held_out_sequences + opts.shard_size,
                        max_prompts=min(len(plan), opts.num_prompts or len(plan)), shard_size=opts.shard_size,
                        text_share=opts.text_share, mean_text_tokens=min(mean_text_tokens, cfg.max_seq_len),
-                       max_texts=len(sharegpt_exchanges(seed=1)) if with_texts else 0)
+                       max_texts=len(sharegpt_exchanges(seed=1)) if with_texts else 0,
+                       held_out=cfg.held_out_sequences, sources=len({item.get("source") for item in plan}))
 
 
 def _chooses_draft_vocab(opts: PipelineOptions, cfg: TrainingConfig) -> bool:

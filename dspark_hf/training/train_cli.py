@@ -23,6 +23,7 @@ from .loss_terms import CE_TARGETS
 from .pipeline import BUILTIN_DEFAULT_PROMPTS, PipelineOptions, run_pipeline
 from .prompts import BUILTIN_SOURCES
 from .target_loading import PRESETS
+from .precision import PRECISIONS
 from .trainer import TrainingConfig
 
 logger = logging.get_logger(__name__)
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ce-target", choices=CE_TARGETS, default=default.ce_target,
                        help="the cross-entropy's aim: the sequence's next token (label, the paper's) or the target's "
                             "whole next-token distribution")
+    model.add_argument("--precision", choices=PRECISIONS, default=default.precision,
+                       help="the draft's matmuls in training: float32, bfloat16 (autocast; the loss stays float32), or auto "
+                            "(bfloat16 where this machine runs the draft's widest matmul clearly faster in it)")
     model.add_argument("--warmup-steps", type=int, default=default.warmup_steps)
     model.add_argument("--held-out", type=int, default=default.held_out_sequences,
                        help="answers kept out of training for calibrating the confidence head")
@@ -159,7 +163,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[PipelineOptions, Traini
         warmup_steps=args.warmup_steps, held_out_sequences=args.held_out, init_from_draft=args.init_from_draft,
         save_every=args.save_every, snapshot_every=args.snapshot_every, log_every=args.log_every,
         draft_vocab_size=args.draft_vocab_size or None, seed=args.seed, ce_weight=args.loss_weights[0],
-        tv_weight=args.loss_weights[1], conf_weight=args.loss_weights[2], ce_target=args.ce_target)
+        tv_weight=args.loss_weights[1], conf_weight=args.loss_weights[2], ce_target=args.ce_target,
+        precision=args.precision)
     opts = PipelineOptions(
         output=args.output, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
         sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()),

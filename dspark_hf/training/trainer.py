@@ -48,6 +48,7 @@ from .draft_vocab_training import (add_target_lse, coverage, reduced_vocab_loss,
                                    special_token_ids, target_subset_logits, token_counts)
 from .features import FeatureSource, ListFeatures, as_feature_source, build_feature_cache, target_features
 from .loss_terms import check_ce_target, combine_loss_terms
+from .precision import precision_context, resolve_precision
 from .target_loading import finish_logits, plain_head, target_head
 
 # Re-exported: the feature functions lived here before features.py (benchmarks and tests import them).
@@ -95,6 +96,9 @@ class TrainingConfig:
     # what the cross-entropy term aims at: "label", the sequence's next token (the paper's), or "distribution",
     # the target's whole next-token distribution (a teacher-forced text's tokens are not the target's own)
     ce_target: str = "label"
+    # the draft's matmuls: "float32", "bfloat16" (autocast; the loss terms stay float32), or "auto": bfloat16
+    # where this machine runs the draft's widest matmul clearly faster in it (training.precision)
+    precision: str = "auto"
     init_from_target: bool = True
     init_from_draft: str | None = None  # warm start: a saved draft folder with the same architecture
     draft_vocab_size: int | None = None  # reduced draft vocabulary of N ids (dspark_hf.model.draft_vocab); 0/None = all
@@ -400,6 +404,11 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
     draft = make_draft(target, cfg, choose_draft_vocab(target, source, cfg) if cfg.draft_vocab_size else None)
     draft.to(accelerator.device)
     ranks.broadcast_parameters_(draft)
+    precision, why = ranks.broadcast(resolve_precision(
+        cfg.precision, accelerator.device, rows=cfg.anchors_per_sequence * cfg.block_size,
+        hidden=draft.config.hidden_size, vocab=cfg.draft_vocab_size or draft.config.vocab_size))
+    if ranks.is_main:
+        logger.warning(f"Training precision: {precision} ({why}; --precision sets it).")
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _learning_rate_schedule(cfg))
@@ -451,7 +460,7 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
             index, anchors = batch[position]
             if anchors.numel() == 0:
                 continue
-            with accelerator.autocast():
+            with accelerator.autocast(), precision_context(precision, accelerator.device):
                 out = step_loss(draft, head, source.item(index), anchors, cfg)
             # one backward per sequence: only one sequence's graph is alive at a time
             accelerator.backward(out["loss"] / counted)
