@@ -12,6 +12,7 @@ import torch
 from dspark_hf import DSparkConfig, DSparkDraftModel, FixedLengthPolicy, PrefixScheduler, ThresholdPolicy
 from dspark_hf.modeling_dspark import non_finite_parameters
 from dspark_hf.decoding.sampling import serial_sample
+from dspark_hf.scheduling.drafting_gate import forget_earlier_gates
 from dspark_hf.scheduler import VerifyPolicy, profile_sps, sps_cache_key
 from tiny_models import markov_draft, random_target, target_next_token_table
 
@@ -88,13 +89,16 @@ POLICIES = {"fixed": lambda: FixedLengthPolicy(BLOCK), "threshold": lambda: Thre
 def test_non_finite_draft_verifies_nothing_at_batch_one(target, caplog, kind, policy):
     draft = _overflowing_draft(target, kind, confidence=policy != "dflash_default")
     draft.generation_config.dspark_verify_policy = POLICIES[policy]()
-    for call in range(2):
+    for call in range(3):
+        if call < 2:  # the first two calls learn afresh; the third keeps what the second's gate learnt
+            forget_earlier_gates(draft)
         caplog.clear()
         torch.manual_seed(call)
         out = target.generate(PROMPT, max_new_tokens=12, do_sample=True, assistant_model=draft)
         assert out.shape == (1, PROMPT.shape[1] + 12)
         assert draft.last_generation_stats.verified_tokens == 0
-        assert len(_warnings(caplog, "non-finite")) == 1  # once per call
+        # once per call; a gate that learnt in an earlier call that drafting pays nothing may skip the draft
+        assert len(_warnings(caplog, "non-finite")) == 1 if call < 2 else len(_warnings(caplog, "non-finite")) <= 1
     greedy = target.generate(PROMPT, max_new_tokens=12, do_sample=False, assistant_model=draft)
     assert torch.equal(greedy, target.generate(PROMPT, max_new_tokens=12, do_sample=False))
     assert draft.last_generation_stats.verified_tokens == 0

@@ -10,7 +10,8 @@ import math
 import weakref
 from typing import Hashable, Protocol
 
-__all__ = ["BATCHED_GATE_MARGIN", "DraftingGate", "GateRecorder", "continue_earlier_gate", "record_gate_round"]
+__all__ = ["BATCHED_GATE_MARGIN", "DraftingGate", "GateRecorder", "continue_earlier_gate", "forget_earlier_gates",
+           "record_gate_round"]
 
 
 # Batched rounds speculate only when they beat plain batched steps by this much (see DraftingGate).
@@ -177,6 +178,15 @@ def continue_earlier_gate(owner: object, key: Hashable, gate: DraftingGate) -> D
         gate.continue_from(earlier)
     gates[key] = gate
     return gate
+
+
+def forget_earlier_gates(owner: object | None = None) -> None:
+    """Drops what earlier calls' gates learnt, for ``owner`` (a draft) or for every draft: the next call
+    learns afresh (for a benchmark of first calls, or after the content changes wholesale)."""
+    if owner is None:
+        _EARLIER_GATES.clear()
+    else:
+        _EARLIER_GATES.pop(owner, None)
 
 
 class GateRecorder(Protocol):
