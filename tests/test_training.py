@@ -2,6 +2,7 @@
 and Sequential Temperature Scaling on synthetic data with known miscalibration."""
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -146,6 +147,7 @@ def test_training_in_bfloat16_keeps_the_loss_in_float32_and_learns(tmp_path):
     torch.manual_seed(cfg.seed)
     before = _eval_loss(make_draft(target, cfg).eval(), target, items, cfg)
     trained = train(target, items, dataclasses.replace(cfg, precision="bfloat16"), tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "training_progress.json").read_text())["precision"] == "bfloat16"
     assert _eval_loss(trained.eval(), target, items, cfg) < 0.7 * before
     assert trained.fc.weight.dtype == torch.float32  # the weights and the optimiser stay float32
 

@@ -17,11 +17,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers.utils import logging
 
 __all__ = ["BF16_MIN_SPEEDUP", "MIN_PROBE_SECONDS", "PRECISIONS", "precision_context", "resolve_precision"]
-
-logger = logging.get_logger(__name__)
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 BF16_MIN_SPEEDUP = 1.3  # "auto" takes bfloat16 when the probe runs at least this much faster in it

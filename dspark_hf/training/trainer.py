@@ -511,7 +511,7 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
         atomic_write_json(output_dir / "training_config.json", asdict(cfg))  # max_steps as fitted to the budget
         atomic_write_json(output_dir / "training_progress.json",
                           {"steps_done": done, "max_steps": cfg.max_steps, "stopped_by_time_budget": stopped,
-                           "processes": ranks.world_size})
+                           "processes": ranks.world_size, "precision": precision})
     ranks.barrier()
     return draft
 
