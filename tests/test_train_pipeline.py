@@ -154,7 +154,8 @@ def test_time_budget_stops_cleanly_and_resume_equals_an_uninterrupted_run(tmp_pa
     cut = _train(tmp_path, target, "cut", "--features", "cached", "--max-time", "0.001", "--corpus",
                  str(tmp_path / "data"))
     progress = json.loads((cut / "training_progress.json").read_text())
-    assert progress == {"steps_done": 1, "max_steps": 4, "stopped_by_time_budget": True, "processes": 1}
+    assert progress == {"steps_done": 1, "max_steps": 4, "stopped_by_time_budget": True, "processes": 1,
+                        "precision": "float32"}
     assert json.loads((cut / "checkpoint" / "step.json").read_text()) == {"step": 1}
     assert (cut / "model.safetensors").exists()
     resumed = _train(tmp_path, target, "cut", "--features", "cached", "--resume", "--corpus", str(tmp_path / "data"))
