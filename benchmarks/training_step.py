@@ -11,6 +11,7 @@ an on-policy data folder and prints
     python benchmarks/training_step.py --data data/smollm2-onpolicy --steps 6
 
 ``--precision float32 bfloat16`` times the draft's matmuls in both precisions the same way.
+``--prepare-target`` prepares the target with the CPU engine first, as ``dspark-hf train`` does.
 
 ``--draft-vocab-size 0 8192 16384`` times drafts with those draft vocabularies (0 = the full one,
 :mod:`dspark_hf.model.draft_vocab`) in one run, their steps interleaved on the same batches, and prints each
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from dspark_hf.cpu_engine import prepare_for_cpu
 from dspark_hf.demo_target import load_smollm2
 from dspark_hf.training.datagen import load_onpolicy_corpus
 from dspark_hf.training.draft_vocab_training import (add_target_lse, answer_tokens, select_draft_vocab, special_token_ids,
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
                         help="training precisions to time side by side (each with every vocabulary size)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    parser.add_argument("--top", type=int, default=0, help="also print the profiled step's N costliest operators")
+    parser.add_argument("--prepare-target", action="store_true",
+                        help="prepare the target with the CPU engine first, as dspark-hf train does (its packed LM "
+                             "head then serves the draft's and the target's logits)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     base_cfg = TrainingConfig(**{k: v for k, v in settings.items() if k in known and k != "init_from_draft"})
     target, _ = load_smollm2()
     target.requires_grad_(False)
+    if args.prepare_target:
+        prepare_for_cpu(target)
     head = target.get_output_embeddings()
     vocab = head.weight.shape[0]
     counts = None
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         share = by_vocab / max(by_vocab + other, 1e-9)
         print(f"{variant[0]}, profiled step: operators on vocabulary-sized tensors {share:.0%} of self CPU time "
               f"({by_vocab / 1e3:.0f} of {(by_vocab + other) / 1e3:.0f} ms)")
+        if args.top:
+            print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.top,
+                                                                     max_name_column_width=40))
 
 
 if __name__ == "__main__":

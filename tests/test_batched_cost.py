@@ -275,10 +275,36 @@ def test_a_second_call_starts_from_what_the_last_call_with_its_rows_learnt_about
     second = resolve_drafting_gate(draft, policy, None, 4)
     assert second is not first and not second.warming_up
     assert [second.should_draft() for _ in range(second.probe_interval())] == [False] * (second.probe_interval() - 1) + [True]
-    assert resolve_drafting_gate(draft, policy, None, 8).should_draft()
+    assert resolve_drafting_gate(draft, policy, None, 2).should_draft()  # a smaller batch may still gain
     assert resolve_drafting_gate(draft, policy, GenerationConfig(do_sample=True), 4).should_draft()
     _, other_draft = _pair()
     assert resolve_drafting_gate(other_draft, policy, None, 4).should_draft()
+    assert resolve_drafting_gate(other_draft, policy, None, 8).should_draft()  # its 4-row gate has not judged
+
+
+def test_a_wider_batch_starts_where_the_nearest_smaller_one_found_drafting_lost():
+    """Counted, not timed: after 4 rows found drafting lost, a first call with 8 rows starts with plain steps and
+    probes as the 4-row gate did (so does 16, through 8's presumption), and its own probes overturn the presumption
+    once they show drafting pays; a batch whose nearest smaller one found drafting paid starts drafting."""
+    from dspark_hf.decoding.settings import resolve_drafting_gate
+
+    target, draft = _pair()
+    policy = PrefixScheduler(FLAT_SPS)
+    four = resolve_drafting_gate(draft, policy, None, 4)
+    for _ in range(four.warmup_rounds + four.min_rounds):
+        four.record_drafted(8, 0.4)
+    four.record_plain(0.1, tokens=4)
+    interval = four.probe_interval()
+    eight = resolve_drafting_gate(draft, policy, None, 8)
+    assert eight.warming_up  # nothing of its own shapes is warm: its first probe is not counted
+    assert [eight.should_draft() for _ in range(2 * interval)] == ([False] * (interval - 1) + [True]) * 2
+    sixteen = resolve_drafting_gate(draft, policy, None, 16)
+    assert not sixteen.should_draft()
+    for _ in range(eight.warmup_rounds + eight.min_rounds):  # its probes: drafting pays at 8 rows after all
+        eight.record_drafted(40, 0.2)
+    eight.record_plain(0.1, tokens=8)
+    assert not eight.drafting_lost() and all(eight.should_draft() for _ in range(3))
+    assert resolve_drafting_gate(draft, policy, None, 12).should_draft()  # nearest smaller (8) found it paid
 
 
 def test_the_batched_gate_is_not_asked_when_no_source_can_propose():

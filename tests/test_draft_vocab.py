@@ -21,6 +21,7 @@ from dspark_hf.training.draft_vocab_training import (
     coverage_table,
     reduced_vocab_loss,
     select_draft_vocab,
+    target_subset_logits,
     token_counts,
 )
 from dspark_hf.hub import export, render_model_card
@@ -288,6 +289,40 @@ def test_reduced_head_is_prepared_the_way_an_engine_prepared_the_full_head(monke
         rows = gathered_head(target.lm_head, draft.draft_vocab_ids, cache)
         assert type(rows) is Prepared and handed == [rows]  # re-gathered because the head changed
         torch.testing.assert_close(draft.draft_vocab_logits(hidden), stock)
+
+
+def test_under_autocast_the_frozen_rows_are_cast_once_and_the_target_logits_stay_exact(monkeypatch):
+    """Training in bfloat16: the draft's gathered head is cast once (not at every call, and not through an engine's
+    float32-only packing), while the target's logits for the loss keep the head's float32."""
+
+    class Prepared(torch.nn.Linear):
+        pass
+
+    monkeypatch.setattr(engine_hooks, "_ENGINES", {"fake": engine_hooks.EngineHooks(
+        pack_like=lambda source, module: (setattr(module, "__class__", Prepared) or module)
+        if isinstance(source, Prepared) else module)})
+    target = _target()
+    target.lm_head.__class__ = Prepared
+    target.requires_grad_(False)  # a frozen head, as in training
+    draft = _reduced_draft(target)
+    draft.bind_target(target)
+    hidden = torch.randn(1, 5, target.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    cache = draft._draft_vocab_caches[0]
+    exact = draft.draft_vocab_logits(hidden)
+    assert exact.dtype == torch.float32 and type(cache.value) is Prepared
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = draft.draft_vocab_logits(hidden)
+        cast = cache.value
+        again = draft.draft_vocab_logits(hidden)
+        target_rows = target_subset_logits(draft, target.lm_head, hidden)
+        with torch.autocast("cpu", enabled=False):
+            target_exact = target_subset_logits(draft, target.lm_head, hidden)
+    assert cache.value is cast  # one cast for both calls
+    assert type(cast) is torch.nn.Linear and cast.weight.dtype == torch.bfloat16
+    assert first.dtype == again.dtype == torch.bfloat16 and torch.equal(first, again)
+    torch.testing.assert_close(first.float(), exact, atol=0.05, rtol=0.02)
+    assert target_rows.dtype == torch.bfloat16 and target_exact.dtype == torch.float32
+    torch.testing.assert_close(target_exact, exact)  # the target's head, outside autocast: the float32 logits
 
 
 def _reduced_chi_square_draft(ids):

@@ -309,7 +309,8 @@ def resolve_drafting_gate(draft: PreTrainedModel, policy: VerifyPolicy,
     made here for a batch (``num_rows > 1``) is :meth:`DraftingGate.for_batches`; a default gate
     continues from the last one made for this draft with as many rows and the same sampling
     (:func:`~dspark_hf.scheduling.drafting_gate.continue_earlier_gate`), so a second call does not
-    pay again for learning that drafting loses."""
+    pay again for learning that drafting loses, and a new batch size starts where the nearest smaller one
+    found drafting lost."""
     choice, where = _setting(GATE_FIELD, draft, generation_config)
     if isinstance(choice, DraftingGate):
         return copy.deepcopy(choice)
@@ -323,7 +324,7 @@ def resolve_drafting_gate(draft: PreTrainedModel, policy: VerifyPolicy,
         return None
     gate = DraftingGate.for_batches() if num_rows > 1 else DraftingGate()
     sampling = bool(getattr(generation_config, "do_sample", False))
-    return continue_earlier_gate(draft, (num_rows, sampling), gate)
+    return continue_earlier_gate(draft, num_rows, sampling, gate)
 
 
 def resolve_context_lookup(draft: PreTrainedModel, generation_config: GenerationConfig | None,

@@ -137,8 +137,15 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tensor._version, str(tensor.device), tensor.dtype, tuple(tensor.shape))
 
 
-def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCache) -> nn.Linear:
+def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCache,
+                  dtype: torch.dtype | None = None, prepared: bool = True) -> nn.Linear:
     """A frozen ``nn.Linear`` holding the rows ``ids`` of ``head`` (weight and bias), cached in ``cache``.
+
+    ``dtype`` (default: the head's) casts the rows once, for a matmul that runs in a lower precision than the
+    head is stored in (training under autocast, :func:`subset_logits`); a cast copy is a plain ``nn.Linear``,
+    since an engine prepares a head for the dtype it is stored in. ``prepared=False`` keeps the rows a plain
+    ``nn.Linear`` too: training multiplies hundreds of rows at once, where the stock matmul beats the CPU
+    engine's kernels made for decoding's few rows (measured: docs/training.md).
 
     It runs the way ``head`` runs: when an engine prepared ``head`` (the CPU engine's ``optimize_for_cpu``
     packs it), the gathered layer is prepared the same way through the engine's packing hook
@@ -147,6 +154,7 @@ def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCac
     16,384-row subset of SmolLM2's head then cost more per draft round than the packed full head).
     """
     weight, bias = head.weight, getattr(head, "bias", None)
+    dtype = weight.dtype if dtype is None else dtype
 
     def build():
         # Outside inference mode even when called inside it: an inference tensor cannot be packed
@@ -154,22 +162,26 @@ def gathered_head(head: nn.Module, ids: torch.LongTensor, cache: _SingleEntryCac
         with torch.inference_mode(False), torch.no_grad():
             # Built on the meta device: a random init of the N rows only to overwrite them was a
             # visible delay in the first admitted round (measured: docs/performance.md).
-            rows = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device="meta", dtype=weight.dtype)
-            rows.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)), requires_grad=False)
+            rows = nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device="meta", dtype=dtype)
+            rows.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)).to(dtype), requires_grad=False)
             if bias is not None:
-                rows.bias = nn.Parameter(bias.index_select(0, ids.to(bias.device)), requires_grad=False)
-            return pack_like(head, rows)
+                rows.bias = nn.Parameter(bias.index_select(0, ids.to(bias.device)).to(dtype), requires_grad=False)
+            return pack_like(head, rows) if prepared and dtype == weight.dtype else rows
 
-    key = (_tensor_key(weight), _tensor_key(ids), None if bias is None else _tensor_key(bias), type(head))
+    key = (_tensor_key(weight), _tensor_key(ids), None if bias is None else _tensor_key(bias), type(head), dtype,
+           prepared)
     return cache.get(key, build)
 
 
 def subset_logits(head: nn.Module, hidden_states: torch.Tensor, ids: torch.LongTensor,
-                  cache: _SingleEntryCache) -> torch.Tensor:
+                  cache: _SingleEntryCache, prepared: bool = True) -> torch.Tensor:
     """Logits of the subset ``ids`` only, ``(..., N)``: ``hidden_states @ head.weight[ids].T`` (+ bias).
 
     A head being trained (gradients recorded) is gathered each call so its gradient reaches the full
-    weight; a frozen one runs from :func:`gathered_head`.
+    weight; a frozen one runs from :func:`gathered_head`. Under autocast (a draft trained in bfloat16) the
+    frozen rows are cast to autocast's dtype once, not at every call as autocast would, and the matmul runs
+    in that dtype even where an engine packed the head for its stored dtype. ``prepared``: as in
+    :func:`gathered_head` (False in training).
     """
     if torch.is_grad_enabled() and head.weight.requires_grad:
         weight = head.weight
@@ -178,8 +190,14 @@ def subset_logits(head: nn.Module, hidden_states: torch.Tensor, ids: torch.LongT
             bias = bias.index_select(0, ids.to(bias.device))
         return F.linear(hidden_states.to(weight.device, weight.dtype), weight.index_select(0, ids.to(weight.device)),
                         bias)
-    rows = gathered_head(head, ids, cache)
+    rows = gathered_head(head, ids, cache, _matmul_dtype(head.weight, hidden_states.device), prepared)
     return rows(hidden_states.to(rows.weight.device, rows.weight.dtype))
+
+
+def _matmul_dtype(weight: torch.Tensor, device: torch.device) -> torch.dtype:
+    if weight.is_floating_point() and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return weight.dtype
 
 
 def scatter_to_vocab(values: torch.Tensor, ids: torch.LongTensor, vocab_size: int, fill: float) -> torch.Tensor:

@@ -511,11 +511,13 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
 
     def draft_vocab_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Base logits over the draft vocabulary only: (..., N) in ``draft_vocab_ids`` order for a reduced
-        one (what training computes its loss on), else the full LM head (on the head's device)."""
+        one (what training computes its loss on), else the full LM head (on the head's device). A reduced
+        head runs the way an engine prepared the target's in eval mode, as a plain matmul in train mode."""
         head = self._lm_head()
         if self.draft_vocab_ids is None:
             return head(hidden_states.to(head.weight.device, head.weight.dtype))
-        return draft_vocab.subset_logits(head, hidden_states, self.draft_vocab_ids, self._draft_vocab_caches[0])
+        return draft_vocab.subset_logits(head, hidden_states, self.draft_vocab_ids, self._draft_vocab_caches[0],
+                                         prepared=not self.training)
 
     def _extend_block_for_mask_predictions(self, input_ids, position_ids):
         """z-lab DFlash layout (``anchor_predicts=False``, inference blocks only): the block

@@ -84,6 +84,9 @@ class DraftingGate:
         # round is, the next round is plain (a batch whose every round verifies something would
         # otherwise never learn what drafting competes with).
         self.plain_estimate: tuple[int, float] | None = None
+        # Set by continue_earlier_gate when a smaller batch's gate found drafting lost: rounds between probes
+        # while this gate has too few drafted rounds of its own to judge (None: no presumption).
+        self._presumed_losing_interval: int | None = None
 
     @classmethod
     def for_batches(cls) -> "DraftingGate":
@@ -111,14 +114,37 @@ class DraftingGate:
         drafted, plain = self.drafted_rate(), self.plain_rate()
         if plain is None and self.plain_estimate is not None and len(self._drafted) >= self.min_rounds:
             return False  # time a plain round (see plain_estimate)
+        if len(self._drafted) < self.min_rounds and self._presumed_losing_interval is not None:
+            return self._probe(self._presumed_losing_interval)
         if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain * (1.0 + self.margin):
             self._skipped_in_a_row = 0
             return True
-        if self._skipped_in_a_row + 1 >= self.probe_interval():
+        return self._probe(self.probe_interval())
+
+    def _probe(self, interval: int) -> bool:
+        """Drafting is off: True on every ``interval``-th round (a probe)."""
+        if self._skipped_in_a_row + 1 >= interval:
             self._skipped_in_a_row = 0
             return True
         self._skipped_in_a_row += 1
         return False
+
+    def drafting_lost(self) -> bool:
+        """Whether this gate's recent rounds found drafting slower than plain steps (by its margin); while it
+        has too few drafted rounds to judge, whether it presumes so (:meth:`presume_losing`)."""
+        drafted, plain = self.drafted_rate(), self.plain_rate()
+        if len(self._drafted) < self.min_rounds or plain is None:
+            return self._presumed_losing_interval is not None
+        return drafted < plain * (1.0 + self.margin)
+
+    def presume_losing(self, earlier: "DraftingGate") -> None:
+        """Starts with drafting off, probing as often as ``earlier`` did, until this gate has timed enough
+        drafted rounds of its own to judge: ``earlier`` is a gate of a smaller batch (same draft and sampling)
+        that found drafting lost. A wider batch verifies more rows per round for the same acceptance, so
+        drafting pays less there, not more; presuming so spares a new batch size's first call the drafted
+        rounds (the first of them cold) it would pay to learn that again. The probes still find the
+        opposite where the content makes drafting pay."""
+        self._presumed_losing_interval = earlier.probe_interval()
 
     def probe_interval(self) -> int:
         """Rounds between probes while drafting is off: ``probe_every``, or more where a drafted
@@ -155,6 +181,7 @@ class DraftingGate:
         of paying the drafted rounds it takes to learn that again."""
         self._drafted = list(earlier._drafted)[-self.window:]
         self._plain = list(earlier._plain)[-self.window:]
+        self._presumed_losing_interval = earlier._presumed_losing_interval
         if self._drafted or self._plain:
             self._warmup_left = 0
 
@@ -167,16 +194,21 @@ class DraftingGate:
 _EARLIER_GATES: "weakref.WeakKeyDictionary[object, dict[Hashable, DraftingGate]]" = weakref.WeakKeyDictionary()
 
 
-def continue_earlier_gate(owner: object, key: Hashable, gate: DraftingGate) -> DraftingGate:
-    """``gate``, continued from the last gate made for ``owner`` (the draft) and ``key`` (rows,
-    sampling) in this process (:meth:`DraftingGate.continue_from`), and remembered for the next such
-    call. What earlier calls' rounds taught is process memory, like a kernel choice: it changes
-    which rounds draft, never what a call emits."""
+def continue_earlier_gate(owner: object, rows: int, sampling: Hashable, gate: DraftingGate) -> DraftingGate:
+    """``gate``, continued from the last gate made for ``owner`` (the draft), ``rows`` and ``sampling`` in
+    this process (:meth:`DraftingGate.continue_from`), and remembered for the next such call. With no such
+    gate yet, a batch starts presuming drafting loses (:meth:`DraftingGate.presume_losing`) when the gate
+    of the nearest smaller batch (2 rows or more, same sampling) found so. What earlier calls' rounds taught
+    is process memory, like a kernel choice: it changes which rounds draft, never what a call emits."""
     gates = _EARLIER_GATES.setdefault(owner, {})
-    earlier = gates.get(key)
+    earlier = gates.get((rows, sampling))
     if earlier is not None:
         gate.continue_from(earlier)
-    gates[key] = gate
+    else:
+        smaller = [r for r, s in gates if s == sampling and 2 <= r < rows]
+        if smaller and gates[(max(smaller), sampling)].drafting_lost():
+            gate.presume_losing(gates[(max(smaller), sampling)])
+    gates[(rows, sampling)] = gate
     return gate
 
 

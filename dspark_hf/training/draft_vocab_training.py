@@ -34,7 +34,7 @@ from .loss_terms import check_ce_target, combine_loss_terms
 logger = logging.get_logger(__name__)
 
 COVERAGE_SIZES = (4096, 8192, 16384, 32768)
-_TARGET_HEAD_CACHE = new_cache()  # gathered rows of a target head the draft does not borrow
+_TARGET_HEAD_CACHE = new_cache()  # gathered rows of the target's head, for its logits in training
 
 
 # ------------------------------------------------------------------------------- choosing the ids
@@ -166,10 +166,14 @@ def ensure_target_lse(items: list[dict], target_head: nn.Module, path: Path, lay
 
 # ------------------------------------------------------------------------------------------ loss
 def target_subset_logits(draft: DSparkDraftModel, target_head: nn.Module, final: torch.Tensor) -> torch.Tensor:
-    """The target's logits of the draft vocabulary only, (..., N), from its final hidden states."""
-    borrowed = draft.lm_head is None and target_head is draft._lm_head()
-    cache = draft._draft_vocab_caches[0] if borrowed else _TARGET_HEAD_CACHE
-    return subset_logits(target_head, final, draft.draft_vocab_ids, cache)
+    """The target's logits of the draft vocabulary only, (..., N), from its final hidden states.
+
+    The gathered rows have a cache of their own even where the draft borrows this head: the draft's copy may
+    be cast for training in bfloat16 (:func:`~dspark_hf.model.draft_vocab.subset_logits`) while the target's
+    logits stay in the head's dtype, and one shared single-entry cache would gather again at every call. The rows
+    are a plain matmul even where an engine prepared the head (``prepared=False``: faster for training's many
+    rows)."""
+    return subset_logits(target_head, final, draft.draft_vocab_ids, _TARGET_HEAD_CACHE, prepared=False)
 
 
 def reduced_vocab_loss(

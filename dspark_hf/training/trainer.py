@@ -252,16 +252,18 @@ def step_loss(draft, target_head, item, anchors, cfg: TrainingConfig) -> dict[st
     draft_logits, confidence = serial_logits_teacher_forced(draft, base, hidden, previous)
     final = item["final"].to(hidden.device, torch.float32)
     label_positions = anchors.to(hidden.device)[:, None] + torch.arange(cfg.block_size, device=hidden.device) + 1
+    # The target's logits are the training signal: always in its head's dtype, outside a bfloat16 autocast.
+    exact = torch.autocast(hidden.device.type, enabled=False)
     if draft.draft_vocab_ids is not None:  # exact loss from the subset and the cached normaliser
-        with torch.no_grad():  # rows of the plain head, then the family's logit rule (elementwise)
+        with torch.no_grad(), exact:  # rows of the plain head, then the family's logit rule (elementwise)
             target_logits = finish_logits(target_head, target_subset_logits(draft, plain_head(target_head),
                                                                              final[label_positions - 1]))
         lse = item["target_lse"].to(hidden.device)[label_positions - 1]
         return reduced_vocab_loss(draft_logits, target_logits, lse, labels, draft.draft_vocab_ids, confidence,
                                   weights=position_weights(cfg.block_size, hidden.device), ce_weight=cfg.ce_weight,
                                   tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight, ce_target=cfg.ce_target)
-    with torch.no_grad():
-        target_logits = target_head(final[label_positions - 1])
+    with torch.no_grad(), exact:
+        target_logits = target_head(final[label_positions - 1].to(plain_head(target_head).weight.dtype))
     return dspark_loss(draft_logits, target_logits, labels, confidence, ce_weight=cfg.ce_weight,
                        tv_weight=cfg.tv_weight, conf_weight=cfg.conf_weight, ce_target=cfg.ce_target)
 
