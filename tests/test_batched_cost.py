@@ -317,3 +317,24 @@ def test_the_batched_gate_is_not_asked_when_no_source_can_propose():
     assert FixedGate.asked == []  # nothing to propose: every round is a plain step the gate never weighs
     assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                              pad_token_id=PAD))
+
+
+@pytest.mark.parametrize("drafting", [False, True])
+def test_a_batch_that_never_drafts_never_builds_the_drafts_context(monkeypatch, drafting):
+    """Counted, not timed: the prompt's context for the draft waits, like each round's, for a round that drafts;
+    a batch whose gate keeps drafting off (rows finishing early included) pays none of it, and either way the
+    output is the target's."""
+    target, draft = _pair()
+    calls = []
+    original = type(draft).add_context
+    monkeypatch.setattr(type(draft), "add_context", lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs))
+    ids, mask = left_pad([[6, 19, 47, 47, 29, 33, 19, 29], [37, 15, 12], [22, 18, 37, 21]], PAD)  # row 0 ends first
+    FixedGate.answer, FixedGate.asked = drafting, []
+    common = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    out = target.generate(ids, **common, assistant_model=draft, prompt_lookup_num_tokens=0,
+                          dspark_adaptive_drafting=FixedGate())
+    assert FixedGate.asked and set(FixedGate.asked) == {drafting}
+    assert (len(calls) > 0) == drafting
+    expected = target.generate(ids, **common)
+    assert torch.equal(out, expected)
+    assert (expected[:, ids.shape[1]:] == EOS).any()  # some row finished before the others: rows were dropped

@@ -120,9 +120,11 @@ def _compact(target_cache: DynamicCache, draft_cache: DraftContextCache, slot_ma
 def _select_rows(target_cache: DynamicCache, draft_cache: DraftContextCache, keep: torch.Tensor) -> None:
     target_cache.batch_select_indices(keep)
     for i in range(len(draft_cache.keys)):
-        draft_cache.keys[i] = draft_cache.keys[i][keep.to(draft_cache.keys[i].device)]
-        draft_cache.values[i] = draft_cache.values[i][keep.to(draft_cache.values[i].device)]
-    draft_cache.key_mask = draft_cache.key_mask[keep.to(draft_cache.key_mask.device)]
+        if draft_cache.keys[i] is not None:  # None: the draft has not run yet (its context is still pending)
+            draft_cache.keys[i] = draft_cache.keys[i][keep.to(draft_cache.keys[i].device)]
+            draft_cache.values[i] = draft_cache.values[i][keep.to(draft_cache.values[i].device)]
+    if draft_cache.key_mask is not None:
+        draft_cache.key_mask = draft_cache.key_mask[keep.to(draft_cache.key_mask.device)]
 
 
 def _check_sliding_window(cache: DynamicCache, max_tokens: int, longest_proposal: int) -> None:
@@ -201,8 +203,8 @@ class BatchedDSparkGeneration:
         self.slot_mask = self.next_position = self.verify_positions = None
         self.first_real: list[int] = []
         # The draft's context is brought up to date only when the draft runs: a batch whose rounds
-        # verify nothing (the gate off at large R) pays no draft work per round. Each entry is one
-        # round's (features, positions, kept slots), all (rows, slots, ...).
+        # verify nothing (the gate off at large R) pays no draft work, not even for its prompt. Each
+        # entry is the prompt's or one round's (features, positions, kept slots), all (rows, slots, ...).
         self.pending_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     # ----------------------------------------------------------------------------------- helpers
@@ -240,7 +242,7 @@ class BatchedDSparkGeneration:
 
     # ----------------------------------------------------------------------------------- steps
     def prefill(self) -> None:
-        """The target over the padded prompts; the draft's context gets every prompt slot."""
+        """The target over the padded prompts; the draft's context will get every prompt slot."""
         mask = (self.input_ids.new_ones(self.input_ids.shape) if self.attention_mask_arg is None
                 else self.attention_mask_arg).bool()
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -252,8 +254,8 @@ class BatchedDSparkGeneration:
                               use_cache=True, output_hidden_states=self.layer_indices, logits_to_keep=1)
         first = self.pick(self.process(outputs.logits[:, -1].float()))
         self.draft_cache = self.draft.new_cache()
-        self.draft.add_context(self.draft_cache, self.features(outputs, self.prompt_len),
-                               positions.to(self.draft_device), mask.to(self.draft_device))
+        self.pending_context = [(self.features(outputs, self.prompt_len), positions.to(self.draft_device),
+                                 mask.to(self.draft_device))]
         self.stats.prefill_time = time.perf_counter() - start
         self.slot_mask = mask.clone()
         self.next_position = positions[:, -1] + 1
