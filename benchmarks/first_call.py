@@ -49,6 +49,15 @@ _parser.add_argument("--warm", action="store_true", help="keep the step-rate cur
 HELD_OUT_FROM = {"gsm8k": 600, "humaneval": 100, "mt-bench": 40}
 
 
+def held_out_prompt_ids(tokenizer) -> list[list[int]]:
+    """The held-out prompts (past the bench's, :data:`HELD_OUT_FROM`), chat-formatted, the sets interleaved."""
+    from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
+    from dspark_hf.chat_text import chat_prompt_ids
+
+    pools = [load_eval_prompts(name, start + 200)[start:] for name, start in HELD_OUT_FROM.items()]
+    return [chat_prompt_ids(tokenizer, pool[i]) for i in range(200) for pool in pools if i < len(pool)]
+
+
 def main(argv=None) -> dict:
     args = _parser.parse_args(argv)
     if args.processes > 1:
@@ -62,16 +71,13 @@ def main(argv=None) -> dict:
     from dspark_hf.benchmarks.environment import capture_environment
     from dspark_hf.benchmarks.acceptance import left_padded
     from dspark_hf.benchmarks.measuring import write_json_result
-    from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
-    from dspark_hf.chat_text import chat_prompt_ids
     from dspark_hf.demo_target import load_smollm2
 
     target, tokenizer = load_smollm2()
     draft = DSparkDraftModel.from_pretrained(args.draft).float().eval()
     optimize_for_cpu(target)
     optimize_for_cpu(draft)
-    pools = [load_eval_prompts(name, start + 200)[start:] for name, start in HELD_OUT_FROM.items()]
-    prompts = [chat_prompt_ids(tokenizer, pool[i]) for i in range(200) for pool in pools if i < len(pool)]
+    prompts = held_out_prompt_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     target.generation_config.eos_token_id = None
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)

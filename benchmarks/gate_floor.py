@@ -32,10 +32,8 @@ def main(argv: list[str] | None = None) -> dict:
     from dspark_hf import DraftingGate, DSparkDraftModel, optimize_for_cpu
     from dspark_hf.benchmarks.acceptance import left_padded
     from dspark_hf.benchmarks.environment import capture_environment
-    from dspark_hf.benchmarks.prompt_sets import load_eval_prompts
-    from dspark_hf.chat_text import chat_prompt_ids
     from dspark_hf.demo_target import load_smollm2
-    from first_call import HELD_OUT_FROM
+    from first_call import held_out_prompt_ids
 
     class NeverDraft(DraftingGate):
         def should_draft(self) -> bool:
@@ -45,9 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     draft = DSparkDraftModel.from_pretrained(SHIPPED_DRAFT).float().eval()
     optimize_for_cpu(target)
     optimize_for_cpu(draft)
-    pools = [load_eval_prompts(name, start + 200)[start:] for name, start in HELD_OUT_FROM.items()]
-    prompts = [chat_prompt_ids(tokenizer, pool[i]) for i in range(200) for pool in pools if i < len(pool)]
-    batch = prompts[args.first_prompt: args.first_prompt + args.batch_size]
+    batch = held_out_prompt_ids(tokenizer)[args.first_prompt: args.first_prompt + args.batch_size]
     ids, mask = left_padded(batch, tokenizer.pad_token_id)
     target.generation_config.eos_token_id = None
     common = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,

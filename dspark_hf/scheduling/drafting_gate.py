@@ -111,15 +111,22 @@ class DraftingGate:
 
     def should_draft(self) -> bool:
         """Whether to run the draft this round."""
-        drafted, plain = self.drafted_rate(), self.plain_rate()
-        if plain is None and self.plain_estimate is not None and len(self._drafted) >= self.min_rounds:
+        if not self._plain and self.plain_estimate is not None and len(self._drafted) >= self.min_rounds:
             return False  # time a plain round (see plain_estimate)
-        if len(self._drafted) < self.min_rounds and self._presumed_losing_interval is not None:
+        pays = self._drafting_pays()
+        if pays is None and self._presumed_losing_interval is not None:
             return self._probe(self._presumed_losing_interval)
-        if len(self._drafted) < self.min_rounds or plain is None or drafted >= plain * (1.0 + self.margin):
+        if pays is not False:
             self._skipped_in_a_row = 0
             return True
         return self._probe(self.probe_interval())
+
+    def _drafting_pays(self) -> bool | None:
+        """Whether recent drafted rounds beat plain steps by the margin; None while too few rounds tell."""
+        drafted, plain = self.drafted_rate(), self.plain_rate()
+        if len(self._drafted) < self.min_rounds or plain is None:
+            return None
+        return drafted >= plain * (1.0 + self.margin)
 
     def _probe(self, interval: int) -> bool:
         """Drafting is off: True on every ``interval``-th round (a probe)."""
@@ -132,10 +139,8 @@ class DraftingGate:
     def drafting_lost(self) -> bool:
         """Whether this gate's recent rounds found drafting slower than plain steps (by its margin); while it
         has too few drafted rounds to judge, whether it presumes so (:meth:`presume_losing`)."""
-        drafted, plain = self.drafted_rate(), self.plain_rate()
-        if len(self._drafted) < self.min_rounds or plain is None:
-            return self._presumed_losing_interval is not None
-        return drafted < plain * (1.0 + self.margin)
+        pays = self._drafting_pays()
+        return self._presumed_losing_interval is not None if pays is None else not pays
 
     def presume_losing(self, earlier: "DraftingGate") -> None:
         """Starts with drafting off, probing as often as ``earlier`` did, until this gate has timed enough
