@@ -77,6 +77,7 @@ def main(argv=None) -> dict:
     draft = DSparkDraftModel.from_pretrained(args.draft).float().eval()
     optimize_for_cpu(target)
     optimize_for_cpu(draft)
+    draft.bind_target(target)  # as the README shows: the reduced head is built here, not in the first call
     prompts = held_out_prompt_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     target.generation_config.eos_token_id = None

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     draft = DSparkDraftModel.from_pretrained(SHIPPED_DRAFT).float().eval()
     optimize_for_cpu(target)
     optimize_for_cpu(draft)
+    draft.bind_target(target)
     batch = held_out_prompt_ids(tokenizer)[args.first_prompt: args.first_prompt + args.batch_size]
     ids, mask = left_padded(batch, tokenizer.pad_token_id)
     target.generation_config.eos_token_id = None

@@ -49,6 +49,8 @@ def test_a_batched_round_is_observed_as_rows_times_its_padded_width_and_the_pref
     policy = RecordingScheduler()
     draft.generation_config.dspark_verify_policy = policy
     draft.generation_config.prompt_lookup_num_tokens = 6  # copies from the repeated prompts widen rounds
+    # The gate reads wall-clock rates: on a loaded machine it could make every round a plain step, offering nothing.
+    draft.generation_config.dspark_adaptive_drafting = False
     forwards = []  # (rows, width) of every verify forward
     original_verify = batched.BatchedDSparkGeneration.verify
 

@@ -80,3 +80,27 @@ def test_reduced_head_packs_when_first_used_inside_inference_mode():
     with torch.no_grad():  # and the cached rows still serve outside inference mode
         torch.testing.assert_close(draft.draft_vocab_logits(hidden), inside)
     torch.testing.assert_close(inside, hidden @ target.lm_head.weight[draft.draft_vocab_ids].T, rtol=1e-5, atol=1e-5)
+
+
+def test_binding_a_prepared_pair_builds_the_reduced_head_before_the_first_generate(monkeypatch):
+    # The gathered, packed rows are a one-off cost; built by bind_target (after optimize_for_cpu), the first
+    # generate reuses them rather than gathering inside the user's first call.
+    target = _target()
+    draft = _reduced_draft(target)
+    optimize_for_cpu(target, packed_min_rows=1)
+    optimize_for_cpu(draft, packed_min_rows=1)
+    draft.bind_target(target)
+    cache = draft._draft_vocab_caches[0]
+    built = cache.value
+    assert isinstance(built, PackedLinear) and built.weight.shape[0] == len(draft.draft_vocab_ids)
+    builds = []
+    original_get = type(cache).get
+    monkeypatch.setattr(type(cache), "get", lambda self, key, build: original_get(
+        self, key, lambda: builds.append(key) or build()))
+    prompt = torch.tensor([[1, 4, 9, 2]])
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=draft), plain)
+    assert builds == [] and cache.value is built
+    draft.train()
+    draft.bind_target(target)  # a draft in training runs its reduced head as a plain matmul: nothing packed
+    assert cache.value is built

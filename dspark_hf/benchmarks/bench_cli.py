@@ -166,6 +166,8 @@ def load_models(args: argparse.Namespace):
         prepare_for_cpu(target)  # the CPU engine's optimize_for_cpu; the stock models, logged, without it
         for draft in drafts.values():
             prepare_for_cpu(draft)
+    for draft in drafts.values():
+        draft.bind_target(target)  # builds a reduced head now, as the README shows, not in the first timed call
     return target, tokenizer, stock_target, drafts
 
 

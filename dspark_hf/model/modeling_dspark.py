@@ -364,12 +364,21 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
 
     # ------------------------------------------------------------------ target binding / checks
     def bind_target(self, target: PreTrainedModel) -> None:
-        """Checks that ``target`` fits this draft and borrows its embedding/LM head where needed."""
+        """Checks that ``target`` fits this draft and borrows its embedding/LM head where needed.
+
+        A draft in eval mode with a reduced draft vocabulary also builds its reduced LM head here (the
+        vocabulary's rows of the head, packed as an engine prepared the head), so that calling this once after preparing both models (``optimize_for_cpu``) takes that cost
+        out of the first ``generate``. ``generate`` calls it too; a head already built for the same weights
+        is kept.
+        """
         embed, lm_head = self.check_target(target)
         self._borrowed = (
             None if self.embed_tokens is not None else embed,
             None if self.lm_head is not None else lm_head,
         )
+        if self.draft_vocab_ids is not None and not self.training:
+            head = self._lm_head()
+            draft_vocab.gathered_head(head, self.draft_vocab_ids, self._draft_vocab_caches[0])
 
     def check_target(self, target: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
         """Checks that ``target`` fits this draft; returns the embedding and LM head the draft will use.

@@ -82,7 +82,7 @@ class StagePlan:
     texts: int = 0  # teacher-forced texts featurised beside the answers (``--text-share``)
 
     def deadline(self, started: float, stage: str) -> float:
-        """The ``time.monotonic()`` by which ``stage`` must end: the planned ends of it and every stage before it."""
+        """The :func:`~dspark_hf.training.run_clock.budget_time` by which ``stage`` must end: the planned ends of it and every stage before it."""
         order = list(self.seconds)
         return started + sum(self.seconds[s] for s in order[: order.index(stage) + 1])
 

@@ -50,6 +50,7 @@ from ..decoding.serial_block import draw_categorical
 from ..cpu_engine import prepare_for_cpu
 from .prompt_sources import SOURCES, Prompt, eval_overlap, load_sources, read_eval_prompts, source_versions
 from .target_loading import resolve_target
+from .run_clock import budget_time
 
 logger = logging.get_logger(__name__)
 
@@ -271,7 +272,7 @@ def run_datagen(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fol
                 world_size: int = 1, deadline: float | None = None) -> list[Path]:
     """Writes every missing shard of ``plan`` (the first ``max_prompts`` prompts when given).
 
-    ``deadline`` (a ``time.monotonic()`` value) stops after the shard that ends past it (a shard is
+    ``deadline`` (a ``budget_time()`` value) stops after the shard that ends past it (a shard is
     written whole or not at all); the shards not made are left to a later run.
 
     Shards already complete are kept as they are; a shard left from a run with a smaller
@@ -306,7 +307,7 @@ def run_datagen(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fol
                                  max_new_tokens=config["max_new_tokens"], eos_ids=eos_ids,
                                  pad_token_id=pad_token_id, progress=progress)
         write_jsonl_gz_atomic(path, records)
-        if deadline is not None and time.monotonic() >= deadline and k != shards[-1][0]:
+        if deadline is not None and budget_time() >= deadline and k != shards[-1][0]:
             logger.warning(f"Answers: the stage's time share is spent after shard {k}; the remaining shards are "
                            "left to a later run.")
             break

@@ -40,6 +40,7 @@ from transformers.utils import logging
 from ..model.configuration_dspark import hidden_state_indices
 from .distributed import Ranks, atomic_torch_save
 from .draft_vocab_training import add_target_lse, ensure_target_lse
+from .run_clock import budget_time
 
 logger = logging.get_logger(__name__)
 
@@ -290,7 +291,7 @@ def build_feature_chunks(target: PreTrainedModel, records: list[dict], layer_ids
     ``k mod world_size``. With ``head`` each chunk also gets its target log-normalisers in a
     companion ``.lse.pt`` file (made on demand, so switching to a reduced vocabulary keeps the
     features). ``dtype`` (default :func:`feature_dtype`) is the stored dtype; a value it cannot hold
-    stops the run (:class:`NonFiniteFeatureError`). ``deadline`` (a ``time.monotonic()`` value) stops
+    stops the run (:class:`NonFiniteFeatureError`). ``deadline`` (a ``budget_time()`` value) stops
     after the chunk that ends past it. Every process waits for the others before returning the paths
     of the chunks that exist (all of them unless the deadline cut the stage).
     """
@@ -317,7 +318,7 @@ def build_feature_chunks(target: PreTrainedModel, records: list[dict], layer_ids
             add_target_lse(items, head, show_progress=False)  # the chunk bar above counts this work
             atomic_torch_save([item["target_lse"] for item in items], _lse_path(path))
         progress.update(len(chunks[k]))
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and budget_time() >= deadline:
             logger.warning(f"Features: the stage's time share is spent after chunk {k}; training uses the chunks "
                            "written so far (the rest are made by a later run).")
             break

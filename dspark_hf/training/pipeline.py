@@ -54,6 +54,7 @@ from .features import (FeatureSource, OnlineFeatures, build_feature_chunks, cach
                        choose_feature_mode, chunk_paths, forward_seconds_per_token, free_disk_bytes, load_feature_chunks)
 from .final_measurement import describe, held_out_prompts, measure_draft
 from .prompts import BUILTIN_SOURCES, file_source_name, read_prompts_file
+from .run_clock import budget_time, paused_seconds
 from .target_loading import LoadedTarget, check_target_head, parse_dtype, resolve_target, target_head
 from .trainer import TrainingConfig, train
 
@@ -117,12 +118,15 @@ class StageClock:
 
     @contextmanager
     def __call__(self, name: str):
-        start = time.perf_counter()
+        start, paused_before = time.perf_counter(), paused_seconds()
         yield
-        seconds = time.perf_counter() - start
-        self.stages.append({"stage": name, "seconds": round(seconds, 3)})
+        seconds, paused = time.perf_counter() - start, paused_seconds() - paused_before
+        entry = {"stage": name, "seconds": round(seconds, 3)}
+        if paused:  # stopped for this long (kill -STOP): wall time, not the budget's (run_clock)
+            entry["paused_seconds"] = round(paused, 3)
+        self.stages.append(entry)
         if self.ranks.is_main:
-            logger.warning(f"Stage {name}: {seconds:.1f} s")
+            logger.warning(f"Stage {name}: {seconds:.1f} s" + (f" ({paused:.1f} s of it paused)" if paused else ""))
             if self.output is not None:
                 path = self.output / "stages.json"
                 runs = json.loads(path.read_text()) if path.exists() else []
@@ -344,7 +348,7 @@ def run_pipeline(opts: PipelineOptions, cfg: TrainingConfig) -> DSparkDraftModel
     ``opts.fit_steps`` the steps that fit the budget. Raises ``ValueError`` naming the problem and the
     fix for bad inputs.
     """
-    started = time.monotonic()
+    started = budget_time()
     if not opts.prepare_only and not opts.output:
         raise ValueError("--output is required unless --prepare-only.")
     check_export_formats(opts.export_formats)
@@ -462,7 +466,7 @@ def _plan(opts: PipelineOptions, cfg: TrainingConfig, loaded: LoadedTarget, answ
         loaded.model, midway, batch_rows=opts.generation_batch_size,
         feature_seconds_per_token=lambda: forward_seconds_per_token(loaded.model, probe, cfg.target_layer_ids,
                                                                     cfg.max_seq_len, samples=1, head=lse_head))
-    return plan_stages(opts.max_time, time.monotonic() - started, costs, max_new_tokens=opts.max_new_tokens,
+    return plan_stages(opts.max_time, budget_time() - started, costs, max_new_tokens=opts.max_new_tokens,
                        mean_prompt_tokens=sum(map(len, sample)) / len(sample),
                        min_prompts=cfg.held_out_sequences + opts.shard_size,
                        max_prompts=min(len(plan), opts.num_prompts or len(plan)), shard_size=opts.shard_size,
@@ -497,7 +501,7 @@ def _measure(opts: PipelineOptions, target, draft: DSparkDraftModel, held_out: l
 
 
 def _budget_fact(plan: StagePlan, clock: StageClock) -> str:
-    actual = {entry["stage"]: entry["seconds"] for entry in clock.stages}
+    actual = {entry["stage"]: entry["seconds"] - entry.get("paused_seconds", 0.0) for entry in clock.stages}
     parts = [f"{stage} {actual.get(stage, 0) / 60:.1f} of {seconds / 60:.1f} min" for stage, seconds in plan.seconds.items()]
     return f"--max-time {plan.max_time / 60:.0f} min, actual of planned: " + ", ".join(parts) + " (stages.json)"
 

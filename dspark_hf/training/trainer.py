@@ -50,6 +50,7 @@ from .features import FeatureSource, ListFeatures, as_feature_source, build_feat
 from .loss_terms import check_ce_target, combine_loss_terms
 from .precision import precision_context, resolve_precision
 from .target_loading import finish_logits, plain_head, target_head
+from .run_clock import budget_time
 
 # Re-exported: the feature functions lived here before features.py (benchmarks and tests import them).
 __all__ = ["NonFiniteTrainingError", "TrainingConfig", "block_attention_mask", "build_feature_cache", "choose_draft_vocab", "draft_block_outputs",
@@ -381,7 +382,7 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
 
     ``output_dir/checkpoint`` holds the whole state every ``save_every`` steps (written by the main
     process, atomically); ``resume`` continues from it as if never stopped. ``deadline`` (a
-    ``time.monotonic()`` value) stops after the first step that ends past it, with a checkpoint, so
+    ``budget_time()`` value) stops after the first step that ends past it, with a checkpoint, so
     a later ``resume`` goes on. With ``fit_steps_to_deadline`` the run times its steps
     :data:`FIT_AFTER_STEPS` steps in and sets ``cfg.max_steps`` to what fits before the deadline, so
     the learning-rate schedule ends with the budget instead of being cut mid-way; it checks again
@@ -437,10 +438,10 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
         step += 1
         if fit_steps_to_deadline and deadline is not None:
             if done == start_step + 1:  # the first step pays one-off costs: time from the second on
-                timed_from, timed_steps = time.monotonic(), done
+                timed_from, timed_steps = budget_time(), done
             elif timed_from is not None and done - timed_steps >= max(FIT_AFTER_STEPS - 1, refit_every):
-                per_step = (time.monotonic() - timed_from) / (done - timed_steps)
-                fitted = done + max(1, int(ranks.broadcast((deadline - time.monotonic()) / per_step)))
+                per_step = (budget_time() - timed_from) / (done - timed_steps)
+                fitted = done + max(1, int(ranks.broadcast((deadline - budget_time()) / per_step)))
                 first = refit_every == 0
                 if first or abs(fitted - cfg.max_steps) > REFIT_TOLERANCE * cfg.max_steps:
                     if ranks.is_main:
@@ -449,7 +450,7 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
                     cfg.max_steps, bar.total = fitted, fitted
                     bar.refresh()
                 # the machine's speed can change (another job starts or ends): check again every quarter
-                timed_from, timed_steps, refit_every = time.monotonic(), done, max(FIT_AFTER_STEPS, fitted // 4)
+                timed_from, timed_steps, refit_every = budget_time(), done, max(FIT_AFTER_STEPS, fitted // 4)
         picks = torch.randint(len(source), (cfg.sequences_per_step,), generator=generator).tolist()
         batch = [(index, sample_anchors(*source.shape(index), cfg.anchors_per_sequence, cfg.block_size, generator))
                  for index in picks]
@@ -482,7 +483,7 @@ def train(target: PreTrainedModel, items: list[dict] | FeatureSource, cfg: Train
         window.append(_metrics(step_sums / counted, reduced))
         done = step + 1
         bar.update(1)
-        stopped = deadline is not None and done < cfg.max_steps and ranks.any(time.monotonic() >= deadline,
+        stopped = deadline is not None and done < cfg.max_steps and ranks.any(budget_time() >= deadline,
                                                                                   accelerator.device)
         if (done % cfg.log_every == 0 or done == cfg.max_steps or stopped) and log is not None:
             means = {key: torch.stack([w[key] for w in window]).mean(0) for key in window[0]}
