@@ -102,19 +102,23 @@ def main(argv=None) -> dict:
         target_b, _ = timed(ids, mask)
         identical = got_first == expected and got_again == expected
         seconds = {"target": 0.0, "dspark": 0.0}
+        drafted = []  # the held-out calls' share of rounds that ran the draft (the gate's verdict)
         for index, batch in enumerate(batches[1:]):
             ids, mask = left_padded(batch, pad)
             outputs = {}
             for name in (("target", "dspark") if index % 2 == 0 else ("dspark", "target")):
                 elapsed, outputs[name] = timed(ids, mask, **({"assistant_model": draft} if name == "dspark" else {}))
                 seconds[name] += elapsed
+                if name == "dspark":
+                    drafted.append(draft.last_generation_stats.drafted_fraction)
             identical &= outputs["dspark"] == outputs["target"]
         target_first = (target_a + target_b) / 2
         row = {"batch_size": size, "target_seconds": target_first, "first_call_seconds": first,
                "again_seconds": again, "first_over_again": first / again,
                "first_batch_speedup": target_first / first, "again_speedup": target_first / again,
                "held_out_speedup": seconds["target"] / seconds["dspark"], "held_out_target_seconds": seconds["target"],
-               "held_out_dspark_seconds": seconds["dspark"], "identical": identical}
+               "held_out_dspark_seconds": seconds["dspark"], "held_out_drafted_fraction": drafted,
+               "identical": identical}
         rows.append(row)
         print(f"{size:<4}{target_first:<10.2f}{first:<9.2f}{again:<9.2f}{row['first_over_again']:<13.3f}"
               f"{row['first_batch_speedup']:<15.3f}{row['held_out_speedup']:<12.3f}{identical}")
