@@ -367,9 +367,9 @@ class DSparkDraftModel(DSparkPreTrainedModel, DraftRuntimeSettings):
         """Checks that ``target`` fits this draft and borrows its embedding/LM head where needed.
 
         A draft in eval mode with a reduced draft vocabulary also builds its reduced LM head here (the
-        vocabulary's rows of the head, packed as an engine prepared the head), so that calling this once after preparing both models (``optimize_for_cpu``) takes that cost
-        out of the first ``generate``. ``generate`` calls it too; a head already built for the same weights
-        is kept.
+        vocabulary's rows of the head, packed as an engine prepared the head): called once after preparing
+        both models (``optimize_for_cpu``), it takes that cost out of the first ``generate``. ``generate``
+        calls it too; a head already built for the same weights is kept.
         """
         embed, lm_head = self.check_target(target)
         self._borrowed = (

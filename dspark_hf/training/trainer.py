@@ -49,8 +49,8 @@ from .draft_vocab_training import (add_target_lse, coverage, reduced_vocab_loss,
 from .features import FeatureSource, ListFeatures, as_feature_source, build_feature_cache, target_features
 from .loss_terms import check_ce_target, combine_loss_terms
 from .precision import precision_context, resolve_precision
-from .target_loading import finish_logits, plain_head, target_head
 from .run_clock import budget_time
+from .target_loading import finish_logits, plain_head, target_head
 
 # Re-exported: the feature functions lived here before features.py (benchmarks and tests import them).
 __all__ = ["NonFiniteTrainingError", "TrainingConfig", "block_attention_mask", "build_feature_cache", "choose_draft_vocab", "draft_block_outputs",
